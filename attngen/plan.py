@@ -1,0 +1,89 @@
+"""KernelPlan: everything the forward template needs, derived from a resolved spec.
+
+The plan owns the decisions that are not spec fields: threads, shared-memory
+footprint, whether Q stays in registers, the mask lowering and the occupancy
+hint. It also rejects tile configurations the target cannot hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attngen.errors import SpecError
+from attngen.masks import MaskLowering, get_mask
+from attngen.spec import AttentionSpec
+
+# Opt-in dynamic shared memory per block (CUDA programming guide, compute capability table).
+SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+# Registers a thread may hold before the compiler must spill (of 255) keep a margin for
+# addresses, loop state and softmax temporaries.
+REGISTER_BUDGET = 168
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    spec: AttentionSpec
+    name: str
+    arch: str
+    dtype: str
+    head_dim: int
+    gqa_ratio: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    q_in_regs: bool
+    threads: int
+    smem_bytes: int
+    min_blocks_per_sm: int
+    mask: MaskLowering
+
+    @property
+    def spec_summary(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.spec.to_dict().items())
+
+
+def _fragment_registers(spec: AttentionSpec, q_in_regs: bool) -> int:
+    """32-bit registers per thread for the O, S, P (and Q) fragments of one warp's rows."""
+    m_tiles = spec.block_m // spec.num_warps // 16
+    per_tile = spec.head_dim // 2 + spec.block_n // 2 + spec.block_n // 4
+    if q_in_regs:
+        per_tile += spec.head_dim // 4
+    return m_tiles * per_tile
+
+
+def smem_bytes(spec: AttentionSpec) -> int:
+    row_bytes = (spec.head_dim + 8) * 2  # one 16-byte pad per row; see flash_fwd.cuh
+    return row_bytes * (spec.block_m + 2 * spec.num_stages * spec.block_n)
+
+
+def make_plan(spec: AttentionSpec, arch: str | None = None) -> KernelPlan:
+    spec = spec.resolved(arch)
+    smem = smem_bytes(spec)
+    limit = SMEM_LIMIT[spec.arch]
+    if smem > limit:
+        raise SpecError(
+            f"{spec.source + ': ' if spec.source else ''}tile config {spec.tile.label()} needs {smem} B of shared "
+            f"memory (block_m + 2*num_stages*block_n rows of {spec.head_dim + 8} elements); {spec.arch} allows "
+            f"{limit} B: lower num_stages, block_n or block_m",
+            field="num_stages",
+        )
+    q_in_regs = _fragment_registers(spec, q_in_regs=True) <= REGISTER_BUDGET
+    threads = spec.num_warps * 32
+    return KernelPlan(
+        spec=spec,
+        name=spec.name,
+        arch=spec.arch,
+        dtype=spec.dtype,
+        head_dim=spec.head_dim,
+        gqa_ratio=spec.gqa_ratio,
+        block_m=spec.block_m,
+        block_n=spec.block_n,
+        num_warps=spec.num_warps,
+        num_stages=spec.num_stages,
+        q_in_regs=q_in_regs,
+        threads=threads,
+        smem_bytes=smem,
+        min_blocks_per_sm=1,
+        mask=get_mask(spec.mask),
+    )

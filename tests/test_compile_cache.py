@@ -1,0 +1,114 @@
+"""The on-disk binary cache: keyed by everything that changes the binary, safe under concurrency."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from attngen import compiler
+from attngen.render import render
+from attngen.spec import AttentionSpec
+
+OPTS = ("-std=c++17",)
+
+
+def slow_fake_compile(log_path: str, delay: float):
+    def compile_fn(source, name, options, arch):
+        with open(log_path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(delay)
+        return f"BINARY[{name}|{arch}|{len(source)}]".encode()
+
+    return compile_fn
+
+
+def _worker(cache_dir, log_path, delay, queue):
+    os.environ["ATTNGEN_CACHE_DIR"] = cache_dir
+    got = compiler.cached_compile("k", "src", "sm_90", OPTS, "v1", slow_fake_compile(log_path, delay))
+    queue.put((str(got.path), got.path.read_bytes()))
+
+
+def test_key_covers_source_options_arch_and_compiler():
+    base = compiler.cache_key("src", OPTS, "sm_90", "nvrtc-13.0")
+    assert compiler.cache_key("src ", OPTS, "sm_90", "nvrtc-13.0") != base
+    assert compiler.cache_key("src", OPTS + ("-G",), "sm_90", "nvrtc-13.0") != base
+    assert compiler.cache_key("src", OPTS, "sm_80", "nvrtc-13.0") != base
+    assert compiler.cache_key("src", OPTS, "sm_90", "nvrtc-13.1") != base
+
+
+def test_template_edit_changes_source_hash(monkeypatch, tmp_path):
+    """Headers are inlined, so an edit to any template file reaches the cache key."""
+    import shutil
+
+    from attngen import render as render_mod
+
+    spec = AttentionSpec(head_dim=64)
+    before = render(spec)
+    copy = tmp_path / "templates"
+    shutil.copytree(render_mod.templates_dir(), copy)
+    (copy / "ptx.cuh").write_text((copy / "ptx.cuh").read_text() + "\n// edited\n")
+    monkeypatch.setattr(render_mod, "templates_dir", lambda: copy)
+    after = render(spec)
+    assert "// edited" in after and before != after
+
+
+def test_compiles_once_then_hits(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
+    log = tmp_path / "log"
+    first = compiler.cached_compile("k", "src", "sm_90", OPTS, "v1", slow_fake_compile(str(log), 0))
+    second = compiler.cached_compile("k", "src", "sm_90", OPTS, "v1", slow_fake_compile(str(log), 0))
+    assert first.compiled_now and not second.compiled_now and first.path == second.path
+    assert log.read_text().count("\n") == 1
+    third = compiler.cached_compile("k", "src2", "sm_90", OPTS, "v1", slow_fake_compile(str(log), 0))
+    assert third.path != first.path and third.compiled_now
+
+
+def test_concurrent_processes_compile_once(tmp_path):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    log = tmp_path / "log"
+    procs = [ctx.Process(target=_worker, args=(str(tmp_path), str(log), 1.0, queue)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert len({r[0] for r in results}) == 1
+    assert all(r[1] == b"BINARY[k|sm_90|3]" for r in results)
+    assert log.read_text().count("\n") == 1, "exactly one process compiled"
+    assert not list(Path(tmp_path).glob("*.tmp")), "no temporary files left behind"
+
+
+def test_killed_compiler_does_not_wedge_or_corrupt(tmp_path):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    log = tmp_path / "log"
+    victim = ctx.Process(target=_worker, args=(str(tmp_path), str(log), 30.0, queue))
+    victim.start()
+    deadline = time.time() + 30
+    while not log.exists() and time.time() < deadline:  # the victim holds the lock and is compiling
+        time.sleep(0.05)
+    assert log.exists()
+    victim.kill()
+    victim.join()
+    survivor = ctx.Process(target=_worker, args=(str(tmp_path), str(log), 0.0, queue))
+    survivor.start()
+    path, data = queue.get(timeout=30)
+    survivor.join(timeout=30)
+    assert data == b"BINARY[k|sm_90|3]"
+    assert log.read_text().count("\n") == 2
+
+
+def test_compile_error_propagates_and_caches_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
+
+    def failing(source, name, options, arch):
+        raise compiler.CompileError("boom", "log text")
+
+    with pytest.raises(compiler.CompileError, match="boom"):
+        compiler.cached_compile("k", "src", "sm_90", OPTS, "v1", failing)
+    assert not list(tmp_path.glob("*.cubin"))
