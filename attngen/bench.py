@@ -93,6 +93,9 @@ def _implementations(head_dim: int, causal: bool, seqlen: int):
 
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # A fresh compile per shape: dynamo's recompile limit would otherwise silently fall back
+    # to the unfused (dense) flex_attention after a few configurations.
+    torch._dynamo.reset()
     flex = torch.compile(flex_attention, dynamic=False)
     block_mask = None
     if causal:

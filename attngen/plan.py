@@ -33,6 +33,7 @@ class KernelPlan:
     num_warps: int
     num_stages: int
     q_in_regs: bool
+    sub_n: int
     threads: int
     smem_bytes: int
     min_blocks_per_sm: int
@@ -40,13 +41,14 @@ class KernelPlan:
 
     @property
     def spec_summary(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.spec.to_dict().items())
+        # The arch is the compile target, not part of the kernel: keep it out of the source.
+        return ", ".join(f"{k}={v}" for k, v in self.spec.to_dict().items() if k != "arch")
 
 
 def _fragment_registers(spec: AttentionSpec, q_in_regs: bool) -> int:
     """32-bit registers per thread for the O, S, P (and Q) fragments of one warp's rows."""
     m_tiles = spec.block_m // spec.num_warps // 16
-    per_tile = spec.head_dim // 2 + spec.block_n // 2 + spec.block_n // 4
+    per_tile = spec.head_dim // 2 + min(spec.block_n, 64) // 2 + min(spec.block_n, 64) // 4
     if q_in_regs:
         per_tile += spec.head_dim // 4
     return m_tiles * per_tile
@@ -69,6 +71,10 @@ def make_plan(spec: AttentionSpec, arch: str | None = None) -> KernelPlan:
             field="num_stages",
         )
     q_in_regs = _fragment_registers(spec, q_in_regs=True) <= REGISTER_BUDGET
+    # Two m16 tiles per warp at a large head dim leave no registers for a 64-key S: process
+    # the loaded block in 32-key softmax steps (measured: 0 spills, docs/perf-notes.md).
+    two_m_tiles = spec.block_m // spec.num_warps == 32
+    sub_n = min(spec.block_n, 32) if two_m_tiles and spec.head_dim >= 96 else spec.block_n
     threads = spec.num_warps * 32
     return KernelPlan(
         spec=spec,
@@ -82,6 +88,7 @@ def make_plan(spec: AttentionSpec, arch: str | None = None) -> KernelPlan:
         num_warps=spec.num_warps,
         num_stages=spec.num_stages,
         q_in_regs=q_in_regs,
+        sub_n=sub_n,
         threads=threads,
         smem_bytes=smem,
         min_blocks_per_sm=1,

@@ -74,7 +74,7 @@ class Kernel:
             raise ValueError(f"lse must be contiguous with shape {(B, Hq, Sq)}, got strides {li.strides}")
         if B == 0 or Sq == 0 or Hq == 0:
             return out, lse
-        scale = self.spec.effective_scale if softmax_scale is None else _check_scale(softmax_scale)
+        scale = self.spec.effective_scale if softmax_scale is None else _check_scale(softmax_scale, self.spec)
         grid = (math.ceil(Sq / self.plan.block_m), Hq, B)
         args = (
             np.uint64(qi.ptr), np.uint64(ki.ptr), np.uint64(vi.ptr), np.uint64(oi.ptr), np.uint64(li.ptr),
@@ -185,9 +185,12 @@ def _reject_autograd(*tensors) -> None:
                                  "call under torch.no_grad() or detach the inputs")
 
 
-def _check_scale(scale) -> float:
+def _check_scale(scale, spec: AttentionSpec) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax_scale={scale!r} is invalid; allowed: a finite float > 0 or None")
+    if spec.softmax_scale is not None and scale != spec.softmax_scale:
+        raise ValueError(f"softmax_scale={scale!r} conflicts with the spec's softmax_scale={spec.softmax_scale!r}; "
+                         "allowed: None or the spec's value")
     return float(scale)
 
 

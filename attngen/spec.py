@@ -31,6 +31,9 @@ NUM_STAGES = (1, 2, 3, 4)
 # A warp owns 16 or 32 query rows: one or two m16 MMA tiles.
 ROWS_PER_WARP = (16, 32)
 
+# Query heads per kv head; the grid holds at most 65535 query heads.
+MAX_GQA_RATIO = 1024
+
 TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
@@ -73,8 +76,8 @@ class AttentionSpec:
     def __post_init__(self) -> None:
         self._check_choice("head_dim", self.head_dim, HEAD_DIMS)
         self._check_choice("dtype", self.dtype, DTYPES)
-        if isinstance(self.gqa_ratio, bool) or not isinstance(self.gqa_ratio, int) or self.gqa_ratio < 1:
-            self._fail("gqa_ratio", self.gqa_ratio, "an integer >= 1")
+        if isinstance(self.gqa_ratio, bool) or not isinstance(self.gqa_ratio, int) or not 1 <= self.gqa_ratio <= MAX_GQA_RATIO:
+            self._fail("gqa_ratio", self.gqa_ratio, f"an integer in [1, {MAX_GQA_RATIO}]")
         self._check_choice("mask", self.mask, tuple(MASKS))
         if self.softmax_scale is not None:
             ok = isinstance(self.softmax_scale, (int, float)) and not isinstance(self.softmax_scale, bool)
@@ -83,7 +86,7 @@ class AttentionSpec:
                 self._fail(
                     "softmax_scale",
                     self.softmax_scale,
-                    f"a float in [{FLOAT32_MIN_NORMAL:.4g}, {FLOAT32_MAX:.4g}] (float32, > 0), or unset for 1/sqrt(head_dim)",
+                    f"a float in [{FLOAT32_MIN_NORMAL:.4g}, {FLOAT32_MAX:.4g}], or unset for 1/sqrt(head_dim)",
                 )
             object.__setattr__(self, "softmax_scale", float(self.softmax_scale))
         if self.arch is not None:

@@ -1,5 +1,5 @@
 // ---- flash_fwd.cuh: FlashAttention-2 forward for one (query block, query head, batch) per CTA ----
-// Needs, from the rendered template: namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
+// Needs, from the rendered template: namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N, SUB_N, NUM_WARPS,
 // NUM_STAGES, GQA_RATIO, Q_IN_REGS, IS_BF16, elem_t } and namespace mask { visible, kv_begin, kv_end,
 // full_begin, full_end } (see attngen/masks.py for their meaning).
 
@@ -11,10 +11,12 @@ constexpr int THREADS = NUM_WARPS * 32;
 #define NEG_INF (-__int_as_float(0x7f800000))
 constexpr int WARP_ROWS = BLOCK_M / NUM_WARPS;  // query rows one warp owns
 constexpr int MT = WARP_ROWS / 16;               // m16 tiles per warp
-constexpr int NT = BLOCK_N / 8;                  // n8 tiles of S per m16 tile
+// A loaded key block is processed SUB_N keys at a time: S for a whole 64-key block and two
+// m16 tiles would not fit in registers next to O at large head dims.
+constexpr int NT = SUB_N / 8;                    // n8 tiles of S per m16 tile
 constexpr int DT = HEAD_DIM / 8;                 // n8 tiles of O per m16 tile
 constexpr int DK = HEAD_DIM / 16;                // k16 steps of Q.K^T
-constexpr int PK = BLOCK_N / 16;                 // k16 steps of P.V
+constexpr int PK = SUB_N / 16;                   // k16 steps of P.V
 // One 16-byte pad per row puts 8 consecutive rows in 8 distinct bank groups, so
 // ldmatrix and cp.async on any head dim are free of bank conflicts.
 constexpr int ROW = HEAD_DIM + 8;                // smem row stride, elements
@@ -25,7 +27,7 @@ constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
 constexpr int SMEM_BYTES = Q_TILE_BYTES + 2 * NUM_STAGES * KV_TILE_BYTES;
 
 static_assert(WARP_ROWS == 16 || WARP_ROWS == 32, "a warp owns one or two m16 tiles");
-static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "tiles are whole k16 steps");
+static_assert(SUB_N % 16 == 0 && BLOCK_N % SUB_N == 0 && HEAD_DIM % 16 == 0, "tiles are whole k16 steps");
 
 struct Params {
     const elem_t* q; const elem_t* k; const elem_t* v; elem_t* o; float* lse;
@@ -98,8 +100,6 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     const elem_t* q_base = p.q + batch * p.q_sb + head * p.q_sh;
     const elem_t* k_base = p.k + batch * p.k_sb + kv_head * p.k_sh;
     const elem_t* v_base = p.v + batch * p.v_sb + kv_head * p.v_sh;
-    elem_t* o_base = p.o + batch * p.o_sb + head * p.o_sh;
-    float* lse_base = p.lse + ((i64)batch * p.Hq + head) * Sq;
 
     // Block classification from the mask: [n_begin, n_end) may hold visible keys; a block
     // inside [full_lo, full_hi) is visible to every row here and skips per-element masking.
@@ -108,8 +108,11 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     const int n_begin = kv_lo / BLOCK_N;
     const int n_end = kv_hi > kv_lo ? (kv_hi + BLOCK_N - 1) / BLOCK_N : n_begin;
     const int n_blocks = n_end - n_begin;
+    // Output pointers are formed where they are used, to keep them out of the main loop's registers.
+    auto o_rows = [&]() { return p.o + batch * p.o_sb + head * p.o_sh; };
+    auto lse_row = [&]() { return p.lse + ((i64)batch * p.Hq + head) * Sq; };
     if (n_blocks <= 0) {
-        write_empty_rows(p, o_base, lse_base, m0);
+        write_empty_rows(p, o_rows(), lse_row(), m0);
         return;
     }
     // Key blocks are visited from the last to the first, so masked blocks come first.
@@ -162,6 +165,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                 ldmatrix_x4(q_frag[mt][kk], sQ + q_lane + (mt * 16 * ROW + kk * 16) * 2);
     }
 
+#pragma unroll 1
     for (int it = 0; it < n_blocks; ++it) {
         const int stage = it % NUM_STAGES;
         const u32 sK = sKV + (2 * stage) * KV_TILE_BYTES, sV = sK + KV_TILE_BYTES;
@@ -180,110 +184,118 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             else { cp_async_commit(); cp_async_commit(); }
         }
 
-        // S = Q K^T on the tensor cores.
-        float s_acc[MT][NT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) s_acc[mt][nt][i] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < DK; ++kk) {
-            // A operand: resident in registers, or re-read from smem to save registers.
-            u32 a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if constexpr (Q_IN_REGS) {
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) a[mt][i] = q_frag[mt][kk][i];
-                } else {
-                    ldmatrix_x4(a[mt], sQ + q_lane + (mt * 16 * ROW + kk * 16) * 2);
-                }
-            }
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                u32 b[4];
-                ldmatrix_x4(b, sK + k_lane + (np * 16 * ROW + kk * 16) * 2);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816<IS_BF16>(s_acc[mt][2 * np], a[mt], b[0], b[1]);
-                    mma_16816<IS_BF16>(s_acc[mt][2 * np + 1], a[mt], b[2], b[3]);
-                }
-            }
-        }
-
-        // Per-element mask only on blocks the classification could not prove fully visible.
-        const int n0 = block_of(it) * BLOCK_N;
-        if (!(n0 >= full_lo && n0 + BLOCK_N <= full_hi)) {
+        for (int sub = 0; sub < BLOCK_N / SUB_N; ++sub) {
+            // S = Q K^T on the tensor cores.
+            float s_acc[MT][NT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int q = m0 + warp * WARP_ROWS + mt * 16 + g + 8 * (i / 2);
-                        const int k = n0 + nt * 8 + 2 * t + (i % 2);
-                        if (!(k < Sk && mask::visible(q, k, Sq, Sk)))
-                            s_acc[mt][nt][i] = NEG_INF;
-                    }
-        }
-
-        // Online softmax in the log2 domain; a row whose max is still -inf uses 0 as its
-        // reference so exp2 gives 0 rather than NaN.
-        u32 p_frag[MT][PK][4];
+                    for (int i = 0; i < 4; ++i) s_acc[mt][nt][i] = 0.f;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float mx = row_max[mt][h];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    mx = fmaxf(mx, fmaxf(s_acc[mt][nt][2 * h], s_acc[mt][nt][2 * h + 1]) * p.scale_log2);
-                mx = quad_max(mx);
-                const float ref = mx == NEG_INF ? 0.f : mx;
-                const float alpha = fast_exp2(row_max[mt][h] - ref);
-                row_max[mt][h] = mx;
-                float sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-                        const float e = fast_exp2(fmaf(s_acc[mt][nt][2 * h + j], p.scale_log2, -ref));
-                        s_acc[mt][nt][2 * h + j] = e;
-                        sum += e;
-                    }
-                row_sum[mt][h] = row_sum[mt][h] * alpha + sum;  // per-thread partial; reduced at the end
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    o_acc[mt][dt][2 * h] *= alpha;
-                    o_acc[mt][dt][2 * h + 1] *= alpha;
-                }
-            }
-            // The S accumulator layout of two n8 tiles is the A operand layout of one k16 step,
-            // so P feeds P.V straight from registers.
-#pragma unroll
-            for (int kk = 0; kk < PK; ++kk) {
-                p_frag[mt][kk][0] = pack2<IS_BF16>(s_acc[mt][2 * kk][0], s_acc[mt][2 * kk][1]);
-                p_frag[mt][kk][1] = pack2<IS_BF16>(s_acc[mt][2 * kk][2], s_acc[mt][2 * kk][3]);
-                p_frag[mt][kk][2] = pack2<IS_BF16>(s_acc[mt][2 * kk + 1][0], s_acc[mt][2 * kk + 1][1]);
-                p_frag[mt][kk][3] = pack2<IS_BF16>(s_acc[mt][2 * kk + 1][2], s_acc[mt][2 * kk + 1][3]);
-            }
-        }
-
-        // O += P V once V has landed.
-        cp_async_wait<2 * (NUM_STAGES - 1)>();
-        __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < PK; ++kk) {
-#pragma unroll
-            for (int dp = 0; dp < DT / 2; ++dp) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, sV + v_lane + (kk * 16 * ROW + dp * 16) * 2);
+            for (int kk = 0; kk < DK; ++kk) {
+                // A operand: resident in registers, or re-read from smem to save registers.
+                u32 a[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816<IS_BF16>(o_acc[mt][2 * dp], p_frag[mt][kk], b[0], b[1]);
-                    mma_16816<IS_BF16>(o_acc[mt][2 * dp + 1], p_frag[mt][kk], b[2], b[3]);
+                    if constexpr (Q_IN_REGS) {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) a[mt][i] = q_frag[mt][kk][i];
+                    } else {
+                        ldmatrix_x4(a[mt], sQ + q_lane + (mt * 16 * ROW + kk * 16) * 2);
+                    }
+                }
+#pragma unroll
+                for (int np = 0; np < NT / 2; ++np) {
+                    u32 b[4];
+                    ldmatrix_x4(b, sK + k_lane + ((sub * SUB_N + np * 16) * ROW + kk * 16) * 2);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_16816<IS_BF16>(s_acc[mt][2 * np], a[mt], b[0], b[1]);
+                        mma_16816<IS_BF16>(s_acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+                    }
+                }
+            }
+
+            // Per-element mask only on blocks the classification could not prove fully visible.
+            const int n0 = block_of(it) * BLOCK_N + sub * SUB_N;
+            if (!(n0 >= full_lo && n0 + SUB_N <= full_hi)) {
+                const int q0 = m0 + warp * WARP_ROWS + g, k0 = n0 + 2 * t;  // this lane's first element
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
+                            if (!(k < Sk && mask::visible(q, k, Sq, Sk))) s_acc[mt][nt][i] = NEG_INF;
+                        }
+            }
+
+            // Online softmax in the log2 domain; a row whose max is still -inf uses 0 as its
+            // reference so exp2 gives 0 rather than NaN. Each pair of n8 tiles is exponentiated
+            // and packed at once, so S registers turn into P registers as they go.
+            u32 p_frag[MT][PK][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                float ref[2], alpha[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    // scale > 0, so the max of scaled scores is the scaled max.
+                    float mx = s_acc[mt][0][2 * h];
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s_acc[mt][nt][2 * h], s_acc[mt][nt][2 * h + 1]));
+                    mx = fmaxf(row_max[mt][h], quad_max(mx) * p.scale_log2);
+                    ref[h] = mx == NEG_INF ? 0.f : mx;
+                    alpha[h] = fast_exp2(row_max[mt][h] - ref[h]);
+                    row_max[mt][h] = mx;
+                }
+#pragma unroll
+                for (int kk = 0; kk < PK; ++kk) {
+                    float e[2][4];
+#pragma unroll
+                    for (int half = 0; half < 2; ++half)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            e[half][i] = fast_exp2(fmaf(s_acc[mt][2 * kk + half][i], p.scale_log2, -ref[i / 2]));
+                            sum[i / 2] += e[half][i];  // fp32 sums keep the LSE at fp32 accuracy
+                        }
+                    // The S accumulator layout of two n8 tiles is the A operand layout of one k16
+                    // step, so P feeds P.V straight from registers.
+                    p_frag[mt][kk][0] = pack2<IS_BF16>(e[0][0], e[0][1]);
+                    p_frag[mt][kk][1] = pack2<IS_BF16>(e[0][2], e[0][3]);
+                    p_frag[mt][kk][2] = pack2<IS_BF16>(e[1][0], e[1][1]);
+                    p_frag[mt][kk][3] = pack2<IS_BF16>(e[1][2], e[1][3]);
+                }
+                row_sum[mt][0] = row_sum[mt][0] * alpha[0] + sum[0];  // per-thread partials; reduced at the end
+                row_sum[mt][1] = row_sum[mt][1] * alpha[1] + sum[1];
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    o_acc[mt][dt][0] *= alpha[0];
+                    o_acc[mt][dt][1] *= alpha[0];
+                    o_acc[mt][dt][2] *= alpha[1];
+                    o_acc[mt][dt][3] *= alpha[1];
+                }
+            }
+
+            // O += P V once V has landed (waited for once per loaded block).
+            if (sub == 0) {
+                cp_async_wait<2 * (NUM_STAGES - 1)>();
+                __syncthreads();
+            }
+#pragma unroll
+            for (int kk = 0; kk < PK; ++kk) {
+#pragma unroll
+                for (int dp = 0; dp < DT / 2; ++dp) {
+                    u32 b[4];
+                    ldmatrix_x4_trans(b, sV + v_lane + ((sub * SUB_N + kk * 16) * ROW + dp * 16) * 2);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_16816<IS_BF16>(o_acc[mt][2 * dp], p_frag[mt][kk], b[0], b[1]);
+                        mma_16816<IS_BF16>(o_acc[mt][2 * dp + 1], p_frag[mt][kk], b[2], b[3]);
+                    }
                 }
             }
         }
@@ -292,6 +304,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     // Epilogue: normalise once, write LSE, stage O through this warp's own Q rows in smem
     // so global stores are full 16-byte vectors.
     cp_async_wait<0>();
+    elem_t* o_base = o_rows();
+    float* lse_base = lse_row();
     unsigned char* warp_rows = smem + warp * WARP_ROWS * ROW_BYTES;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {

@@ -57,6 +57,7 @@ def run_and_check(spec, q, k, v, softmax_scale=None):
 
     kernel = attngen.compile(spec)
     B, Sq, Hq, D = q.shape
+    Sk = k.shape[1]
     out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format).contiguous()
     lse = torch.full((B, Hq, Sq), float("nan"), device="cuda", dtype=torch.float32)
     kernel(q, k, v, out=out, lse=lse, softmax_scale=softmax_scale)

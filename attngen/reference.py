@@ -1,0 +1,141 @@
+"""Dense reference attention with exactly the kernel contract (DESIGN.md section 3).
+
+Layout q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), any strides; query head h reads kv head
+h // gqa_ratio; bottom-right causal alignment; LSE float32 natural log (B, Hq, Sq); a row
+with no visible key gives output 0 and LSE -inf. Everything is computed densely in
+float64 (or float32) so the kernels have an exact yardstick. The mask is the mask's
+`dense_visible` predicate, kept in masks.py beside the CUDA lowering of the same mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attngen.masks import get_mask
+
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+COMPUTE_DTYPES = (torch.float32, torch.float64)
+SPEC_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: str = "none",
+    softmax_scale: float | None = None,
+    gqa_ratio: int | None = None,
+    return_lse: bool = False,
+    compute_dtype: torch.dtype = torch.float64,
+):
+    """softmax(scale * q k^T + mask) v; returns out, or (out, lse) when return_lse."""
+    ratio = _check_inputs(q, k, v, gqa_ratio, compute_dtype)
+    lowering = get_mask(mask)  # raises ValueError naming mask= and the known masks
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    scale = _check_scale(softmax_scale, D)
+
+    # Group query heads by the kv head they read: (B, Hkv, ratio, Sq, D). No copy of k/v.
+    qg = q.to(compute_dtype).permute(0, 2, 1, 3).reshape(B, Hkv, ratio, Sq, D)
+    kg = k.to(compute_dtype).permute(0, 2, 1, 3)
+    vg = v.to(compute_dtype).permute(0, 2, 1, 3)
+    scores = torch.einsum("bgrqd,bgkd->bgrqk", qg, kg) * scale
+
+    q_idx = torch.arange(Sq, device=q.device)[:, None]
+    kv_idx = torch.arange(Sk, device=q.device)[None, :]
+    visible = torch.broadcast_to(torch.as_tensor(lowering.dense_visible(q_idx, kv_idx, Sq, Sk)), (Sq, Sk))
+    scores = scores.masked_fill(~visible, -math.inf)
+
+    lse = torch.logsumexp(scores, dim=-1)  # -inf for a row with no visible key
+    # Subtracting a -inf LSE would give NaN; with 0 instead every exp(-inf) is exactly 0.
+    probs = torch.exp(scores - torch.where(lse == -math.inf, 0.0, lse)[..., None])
+    out = torch.einsum("bgrqk,bgkd->bgrqd", probs, vg)
+
+    out = out.reshape(B, Hq, Sq, D).permute(0, 2, 1, 3).to(q.dtype)
+    if not return_lse:
+        return out
+    return out, lse.reshape(B, Hq, Sq).to(torch.float32)
+
+
+def attention_for_spec(
+    q, k, v, spec, softmax_scale: float | None = None, return_lse: bool = False, compute_dtype=torch.float64
+):
+    """attention() with mask, gqa_ratio and scale taken from an AttentionSpec.
+
+    Inputs may be in the spec's dtype or upcast to float32/float64 (a more exact reference).
+    """
+    _check_inputs(q, k, v, spec.gqa_ratio, compute_dtype)  # first, so q below is a 4-d tensor
+    if q.shape[-1] != spec.head_dim:
+        raise ValueError(f"q.shape[-1]={q.shape[-1]} does not match the spec; allowed: head_dim={spec.head_dim}")
+    allowed = (SPEC_DTYPES[spec.dtype], torch.float32, torch.float64)
+    if q.dtype not in allowed:
+        raise ValueError(f"q.dtype={q.dtype} does not match spec dtype {spec.dtype!r}; allowed: {_names(allowed)}")
+    if softmax_scale is not None and spec.softmax_scale is not None and softmax_scale != spec.softmax_scale:
+        raise ValueError(
+            f"softmax_scale={softmax_scale!r} conflicts with the spec's softmax_scale={spec.softmax_scale!r}; "
+            "allowed: None or the spec's value"
+        )
+    scale = softmax_scale if softmax_scale is not None else spec.effective_scale
+    return attention(
+        q, k, v, mask=spec.mask, softmax_scale=scale, gqa_ratio=spec.gqa_ratio,
+        return_lse=return_lse, compute_dtype=compute_dtype,
+    )
+
+
+# -- validation ---------------------------------------------------------------
+def _names(dtypes) -> str:
+    return "{" + ", ".join(str(d).replace("torch.", "") for d in dtypes) + "}"
+
+
+def _check_inputs(q, k, v, gqa_ratio, compute_dtype) -> int:
+    """Validate shapes, dtypes and devices; return the GQA ratio."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} is a {type(t).__name__}; allowed: a torch.Tensor")
+        if t.ndim != 4:
+            raise ValueError(f"{name}.ndim={t.ndim} (shape {tuple(t.shape)}) is invalid; allowed: 4 (B, S, H, D)")
+        if t.dtype not in INPUT_DTYPES:
+            raise ValueError(f"{name}.dtype={t.dtype} is invalid; allowed: {_names(INPUT_DTYPES)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}.dtype={t.dtype} differs from q.dtype; allowed: {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}.device={t.device} differs from q.device; allowed: {q.device}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k.shape[0]={k.shape[0]} (batch) differs from q.shape[0]; allowed: {q.shape[0]}")
+    if q.shape[-1] < 1:
+        raise ValueError(f"q.shape[-1]={q.shape[-1]} (head dim) is invalid; allowed: >= 1")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k.shape[-1]={k.shape[-1]} (head dim) differs from q.shape[-1]; allowed: {q.shape[-1]}")
+    if v.shape != k.shape:
+        raise ValueError(f"v.shape={tuple(v.shape)} differs from k.shape; allowed: {tuple(k.shape)}")
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype={compute_dtype} is invalid; allowed: {_names(COMPUTE_DTYPES)}")
+    return _check_ratio(q.shape[2], k.shape[2], gqa_ratio)
+
+
+def _check_ratio(hq: int, hkv: int, gqa_ratio) -> int:
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"q.shape[2]={hq} (query heads) is not a multiple of k.shape[2]={hkv} (kv heads); "
+            "allowed: Hq = gqa_ratio * Hkv with Hkv >= 1"
+        )
+    if gqa_ratio is None:
+        return hq // hkv
+    if isinstance(gqa_ratio, bool) or not isinstance(gqa_ratio, int) or gqa_ratio * hkv != hq:
+        raise ValueError(
+            f"gqa_ratio={gqa_ratio!r} does not match q heads {hq} / k heads {hkv}; allowed: {hq // hkv} or None"
+        )
+    return gqa_ratio
+
+
+def _check_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    ok = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
+    if not ok or not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale={softmax_scale!r} is invalid; allowed: a finite float, or None for 1/sqrt(D)")
+    return float(softmax_scale)
