@@ -1,6 +1,6 @@
 """Offline compiles with the machine's nvcc: no GPU needed.
 
-The run-time path compiles with NVRTC (attngen/compile.py); this module is for
+The run-time path compiles with NVRTC (attngen/compiler.py); this module is for
 checks that run anywhere nvcc is installed (CI, `attngen check`): it builds a
 cubin with `ptxas -v` and reads back the resource report (registers, shared
 memory, stack, spills), so a template change that makes a kernel spill fails
