@@ -45,10 +45,10 @@ class KernelPlan:
         return ", ".join(f"{k}={v}" for k, v in self.spec.to_dict().items() if k != "arch")
 
 
-def _fragment_registers(spec: AttentionSpec, q_in_regs: bool) -> int:
+def _fragment_registers(spec: AttentionSpec, sub_n: int, q_in_regs: bool) -> int:
     """32-bit registers per thread for the O, S, P (and Q) fragments of one warp's rows."""
     m_tiles = spec.block_m // spec.num_warps // 16
-    per_tile = spec.head_dim // 2 + min(spec.block_n, 64) // 2 + min(spec.block_n, 64) // 4
+    per_tile = spec.head_dim // 2 + sub_n // 2 + sub_n // 4
     if q_in_regs:
         per_tile += spec.head_dim // 4
     return m_tiles * per_tile
@@ -70,11 +70,12 @@ def make_plan(spec: AttentionSpec, arch: str | None = None) -> KernelPlan:
             f"{limit} B: lower num_stages, block_n or block_m",
             field="num_stages",
         )
-    q_in_regs = _fragment_registers(spec, q_in_regs=True) <= REGISTER_BUDGET
     # Two m16 tiles per warp at a large head dim leave no registers for a 64-key S: process
-    # the loaded block in 32-key softmax steps (measured: 0 spills, docs/perf-notes.md).
+    # a larger loaded block in 32-key softmax steps (spill-free, though 3-5% slower than a
+    # 64-key S would be; docs/perf-notes.md v4).
     two_m_tiles = spec.block_m // spec.num_warps == 32
     sub_n = min(spec.block_n, 32) if two_m_tiles and spec.head_dim >= 96 else spec.block_n
+    q_in_regs = _fragment_registers(spec, sub_n, q_in_regs=True) <= REGISTER_BUDGET
     threads = spec.num_warps * 32
     return KernelPlan(
         spec=spec,
