@@ -17,7 +17,7 @@ import numpy as np
 from attngen import compiler
 from attngen.plan import KernelPlan, make_plan
 from attngen.render import render_plan
-from attngen.spec import AttentionSpec
+from attngen.spec import FLOAT32_MAX, FLOAT32_MIN_NORMAL, AttentionSpec
 
 LOG2E = 1.4426950408889634
 _DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16"}
@@ -186,8 +186,11 @@ def _reject_autograd(*tensors) -> None:
 
 
 def _check_scale(scale, spec: AttentionSpec) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax_scale={scale!r} is invalid; allowed: a finite float > 0 or None")
+    # The kernel takes the scale as float32: the same range the spec accepts, so it never rounds to 0 or inf.
+    if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+            or not FLOAT32_MIN_NORMAL <= scale <= FLOAT32_MAX):
+        raise ValueError(f"softmax_scale={scale!r} is invalid; allowed: a float in "
+                         f"[{FLOAT32_MIN_NORMAL:.4g}, {FLOAT32_MAX:.4g}] or None")
     if spec.softmax_scale is not None and scale != spec.softmax_scale:
         raise ValueError(f"softmax_scale={scale!r} conflicts with the spec's softmax_scale={spec.softmax_scale!r}; "
                          "allowed: None or the spec's value")
