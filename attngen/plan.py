@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attngen.errors import SpecError
+from attngen.faults import check_fault, fault_macro
 from attngen.masks import MaskLowering, get_mask
 from attngen.spec import AttentionSpec
 
@@ -38,6 +39,11 @@ class KernelPlan:
     smem_bytes: int
     min_blocks_per_sm: int
     mask: MaskLowering
+    fault: str | None = None  # attngen/faults.py; None for every kernel users run
+
+    @property
+    def fault_macro(self) -> str | None:
+        return fault_macro(self.fault)
 
     @property
     def spec_summary(self) -> str:
@@ -59,7 +65,8 @@ def smem_bytes(spec: AttentionSpec) -> int:
     return row_bytes * (spec.block_m + 2 * spec.num_stages * spec.block_n)
 
 
-def make_plan(spec: AttentionSpec, arch: str | None = None) -> KernelPlan:
+def make_plan(spec: AttentionSpec, arch: str | None = None, *, fault: str | None = None) -> KernelPlan:
+    check_fault(fault)
     spec = spec.resolved(arch)
     smem = smem_bytes(spec)
     limit = SMEM_LIMIT[spec.arch]
@@ -79,7 +86,7 @@ def make_plan(spec: AttentionSpec, arch: str | None = None) -> KernelPlan:
     threads = spec.num_warps * 32
     return KernelPlan(
         spec=spec,
-        name=spec.name,
+        name=spec.name if fault is None else f"{spec.name}_fault_{fault}",
         arch=spec.arch,
         dtype=spec.dtype,
         head_dim=spec.head_dim,
@@ -94,4 +101,5 @@ def make_plan(spec: AttentionSpec, arch: str | None = None) -> KernelPlan:
         smem_bytes=smem,
         min_blocks_per_sm=1,
         mask=get_mask(spec.mask),
+        fault=fault,
     )

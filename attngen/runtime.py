@@ -90,20 +90,21 @@ class Kernel:
         return out, lse
 
 
-_kernels: dict[tuple[AttentionSpec, str], Kernel] = {}
+_kernels: dict[tuple[AttentionSpec, str, str | None], Kernel] = {}
 _kernels_lock = threading.Lock()
 
 
-def compile(spec: AttentionSpec, device: int | None = None) -> Kernel:
-    """Render, compile (disk-cached) and load `spec` for a GPU (default: the current one)."""
+def compile(spec: AttentionSpec, device: int | None = None, *, fault: str | None = None) -> Kernel:
+    """Render, compile (disk-cached) and load `spec` for a GPU (default: the current one).
+    `fault` names a deliberate bug from attngen/faults.py, for testing the fuzzer."""
     import cupy
 
     if not isinstance(spec, AttentionSpec):
         raise ValueError(f"spec must be an attngen.AttentionSpec, got {type(spec).__name__}")
     device = cupy.cuda.runtime.getDevice() if device is None else device
     family, target = _device_arch(device)
-    plan = make_plan(spec, family)
-    key = (plan.spec, target)
+    plan = make_plan(spec, family, fault=fault)
+    key = (plan.spec, target, fault)
     with _kernels_lock:
         kernel = _kernels.get(key)
         if kernel is None:

@@ -208,7 +208,11 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     const int kv_lo = mask::kv_begin(m0, m1, Sq, Sk), kv_hi = mask::kv_end(m0, m1, Sq, Sk);
     const int full_lo = mask::full_begin(m0, m1, Sq, Sk), full_hi = mask::full_end(m0, m1, Sq, Sk);
     const int n_begin = kv_lo / BLOCK_N;
+#ifdef ATTNGEN_FAULT_DROP_LAST_PARTIAL_KV_TILE
+    const int n_end = kv_hi > kv_lo ? kv_hi / BLOCK_N : n_begin;  // injected fault: floor drops a partial block
+#else
     const int n_end = kv_hi > kv_lo ? (kv_hi + BLOCK_N - 1) / BLOCK_N : n_begin;
+#endif
     const int n_blocks = n_end - n_begin;
     // Output pointers are formed where they are used, to keep them out of the main loop's registers.
     auto o_rows = [&]() { return p.o + batch * p.o_sb + head * p.o_sh; };
