@@ -61,8 +61,10 @@ def _fragment_registers(spec: AttentionSpec, sub_n: int, q_in_regs: bool) -> int
 
 
 def smem_bytes(spec: AttentionSpec) -> int:
-    row_bytes = (spec.head_dim + 8) * 2  # one 16-byte pad per row; see flash_fwd.cuh
-    return row_bytes * (spec.block_m + 2 * spec.num_stages * spec.block_n)
+    """flash_fwd.cuh's SMEM_BYTES: padded Q and K/V stage tiles, then fp32 row-sum partials."""
+    row_bytes = (spec.head_dim + 8) * 2  # one 16-byte pad per row
+    row_sum_bytes = spec.block_m * 4 * 4  # each query row: one fp32 partial in each of the 4 lanes of its quad
+    return row_bytes * (spec.block_m + 2 * spec.num_stages * spec.block_n) + row_sum_bytes
 
 
 def make_plan(spec: AttentionSpec, arch: str | None = None, *, fault: str | None = None) -> KernelPlan:
@@ -73,15 +75,16 @@ def make_plan(spec: AttentionSpec, arch: str | None = None, *, fault: str | None
     if smem > limit:
         raise SpecError(
             f"{spec.source + ': ' if spec.source else ''}tile config {spec.tile.label()} needs {smem} B of shared "
-            f"memory (block_m + 2*num_stages*block_n rows of {spec.head_dim + 8} elements); {spec.arch} allows "
+            f"memory (block_m + 2*num_stages*block_n rows of {spec.head_dim + 8} elements, and 16 B of row sums per "
+            f"query row); {spec.arch} allows "
             f"{limit} B: lower num_stages, block_n or block_m",
             field="num_stages",
         )
-    # Two m16 tiles per warp at a large head dim leave no registers for a 64-key S: process
-    # a larger loaded block in 32-key softmax steps (spill-free, though 3-5% slower than a
-    # 64-key S would be; docs/perf-notes.md v4).
+    # Two m16 tiles per warp at a large head dim leave registers for at most a 64-key S next
+    # to O (with row sums in shared memory): a larger loaded block is processed in 64-key
+    # softmax steps (docs/perf-notes.md v4, v7).
     two_m_tiles = spec.block_m // spec.num_warps == 32
-    sub_n = min(spec.block_n, 32) if two_m_tiles and spec.head_dim >= 96 else spec.block_n
+    sub_n = min(spec.block_n, 64) if two_m_tiles and spec.head_dim >= 96 else spec.block_n
     q_in_regs = _fragment_registers(spec, sub_n, q_in_regs=True) <= REGISTER_BUDGET
     threads = spec.num_warps * 32
     return KernelPlan(

@@ -24,7 +24,9 @@ constexpr int ROW_BYTES = ROW * 2;
 constexpr int CHUNKS = HEAD_DIM / 8;             // 16-byte chunks per row
 constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
 constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
-constexpr int SMEM_BYTES = Q_TILE_BYTES + 2 * NUM_STAGES * KV_TILE_BYTES;
+constexpr int TILE_BYTES = Q_TILE_BYTES + 2 * NUM_STAGES * KV_TILE_BYTES;
+constexpr int ROW_SUM_BYTES = THREADS * MT * 2 * 4;  // per-thread partial row sums, fp32
+constexpr int SMEM_BYTES = TILE_BYTES + ROW_SUM_BYTES;  // attngen/plan.py smem_bytes() must agree
 
 static_assert(WARP_ROWS == 16 || WARP_ROWS == 32, "a warp owns one or two m16 tiles");
 static_assert(SUB_N % 16 == 0 && BLOCK_N % SUB_N == 0 && HEAD_DIM % 16 == 0, "tiles are whole k16 steps");
@@ -148,7 +150,11 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
     u32 q_frag[MT][Q_IN_REGS ? DK : 1][4];
     float o_acc[MT][DT][4];
-    float row_max[MT][2], row_sum[MT][2];
+    float row_max[MT][2];
+    // Per-thread partial row sums live in shared memory: they are touched once per block, and
+    // the registers they would hold are the margin a 64-key S tile needs next to O.
+    float* row_sum_smem = reinterpret_cast<float*>(smem + TILE_BYTES) + threadIdx.x;
+    auto row_sum = [&](int mt, int h) -> float& { return row_sum_smem[(mt * 2 + h) * THREADS]; };
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -156,7 +162,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) o_acc[mt][dt][i] = 0.f;
         row_max[mt][0] = row_max[mt][1] = NEG_INF;
-        row_sum[mt][0] = row_sum[mt][1] = 0.f;
+        row_sum(mt, 0) = row_sum(mt, 1) = 0.f;
     }
 
     cp_async_wait<2 * (NUM_STAGES - 1)>();
@@ -273,8 +279,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                     p_frag[mt][kk][2] = pack2<IS_BF16>(e[1][0], e[1][1]);
                     p_frag[mt][kk][3] = pack2<IS_BF16>(e[1][2], e[1][3]);
                 }
-                row_sum[mt][0] = row_sum[mt][0] * alpha[0] + sum[0];  // per-thread partials; reduced at the end
-                row_sum[mt][1] = row_sum[mt][1] * alpha[1] + sum[1];
+                row_sum(mt, 0) = row_sum(mt, 0) * alpha[0] + sum[0];  // per-thread partials; reduced at the end
+                row_sum(mt, 1) = row_sum(mt, 1) * alpha[1] + sum[1];
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt) {
                     o_acc[mt][dt][0] *= alpha[0];
@@ -315,7 +321,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const float sum = quad_sum(row_sum[mt][h]);
+            const float sum = quad_sum(row_sum(mt, h));
             const float inv = sum > 0.f ? 1.f / sum : 0.f;
             const int r = mt * 16 + g + 8 * h;
             const int q = m0 + warp * WARP_ROWS + r;
