@@ -49,6 +49,7 @@ def manifest(plan: KernelPlan, source: str) -> dict:
             "threads": plan.threads,
             "smem_bytes": plan.smem_bytes,
             "q_in_regs": plan.q_in_regs,
+            "row_sums_in_smem": plan.row_sums_in_smem,
             "sub_n": plan.sub_n,
             "min_blocks_per_sm": plan.min_blocks_per_sm,
             "mask": plan.mask.name,

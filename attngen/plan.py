@@ -34,6 +34,7 @@ class KernelPlan:
     num_warps: int
     num_stages: int
     q_in_regs: bool
+    row_sums_in_smem: bool
     sub_n: int
     threads: int
     smem_bytes: int
@@ -60,32 +61,33 @@ def _fragment_registers(spec: AttentionSpec, sub_n: int, q_in_regs: bool) -> int
     return m_tiles * per_tile
 
 
-def smem_bytes(spec: AttentionSpec) -> int:
-    """flash_fwd.cuh's SMEM_BYTES: padded Q and K/V stage tiles, then fp32 row-sum partials."""
+def smem_bytes(spec: AttentionSpec, row_sums_in_smem: bool) -> int:
+    """flash_fwd.cuh's SMEM_BYTES: padded Q and K/V stage tiles, then any fp32 row-sum partials."""
     row_bytes = (spec.head_dim + 8) * 2  # one 16-byte pad per row
-    row_sum_bytes = spec.block_m * 4 * 4  # each query row: one fp32 partial in each of the 4 lanes of its quad
+    # Each query row has one fp32 partial in each of the 4 lanes of its quad.
+    row_sum_bytes = spec.block_m * 4 * 4 if row_sums_in_smem else 0
     return row_bytes * (spec.block_m + 2 * spec.num_stages * spec.block_n) + row_sum_bytes
 
 
 def make_plan(spec: AttentionSpec, arch: str | None = None, *, fault: str | None = None) -> KernelPlan:
     check_fault(fault)
     spec = spec.resolved(arch)
-    smem = smem_bytes(spec)
+    # Two m16 tiles per warp at a large head dim leave registers for at most a 64-key S next
+    # to O, and only with the row sums in shared memory: a larger loaded block is processed in
+    # 64-key softmax steps (docs/perf-notes.md v4, v7).
+    register_tight = spec.block_m // spec.num_warps == 32 and spec.head_dim >= 96
+    sub_n = min(spec.block_n, 64) if register_tight else spec.block_n
+    q_in_regs = _fragment_registers(spec, sub_n, q_in_regs=True) <= REGISTER_BUDGET
+    smem = smem_bytes(spec, row_sums_in_smem=register_tight)
     limit = SMEM_LIMIT[spec.arch]
     if smem > limit:
         raise SpecError(
             f"{spec.source + ': ' if spec.source else ''}tile config {spec.tile.label()} needs {smem} B of shared "
-            f"memory (block_m + 2*num_stages*block_n rows of {spec.head_dim + 8} elements, and 16 B of row sums per "
-            f"query row); {spec.arch} allows "
+            f"memory (block_m + 2*num_stages*block_n rows of {spec.head_dim + 8} elements"
+            f"{', and 16 B of row sums per query row' if register_tight else ''}); {spec.arch} allows "
             f"{limit} B: lower num_stages, block_n or block_m",
             field="num_stages",
         )
-    # Two m16 tiles per warp at a large head dim leave registers for at most a 64-key S next
-    # to O (with row sums in shared memory): a larger loaded block is processed in 64-key
-    # softmax steps (docs/perf-notes.md v4, v7).
-    two_m_tiles = spec.block_m // spec.num_warps == 32
-    sub_n = min(spec.block_n, 64) if two_m_tiles and spec.head_dim >= 96 else spec.block_n
-    q_in_regs = _fragment_registers(spec, sub_n, q_in_regs=True) <= REGISTER_BUDGET
     threads = spec.num_warps * 32
     return KernelPlan(
         spec=spec,
@@ -99,6 +101,7 @@ def make_plan(spec: AttentionSpec, arch: str | None = None, *, fault: str | None
         num_warps=spec.num_warps,
         num_stages=spec.num_stages,
         q_in_regs=q_in_regs,
+        row_sums_in_smem=register_tight,
         sub_n=sub_n,
         threads=threads,
         smem_bytes=smem,

@@ -89,6 +89,8 @@ constexpr int NUM_WARPS = 4;
 constexpr int NUM_STAGES = 2;
 constexpr int GQA_RATIO = 1;
 constexpr bool Q_IN_REGS = false;
+// Per-thread partial row sums in shared memory: the registers go to a wider S tile.
+constexpr bool ROW_SUMS_IN_SMEM = true;
 }  // namespace cfg
 
 // Mask "none", lowered by attngen/masks.py.
@@ -102,8 +104,8 @@ __device__ __forceinline__ int full_end(int m0, int m1, int Sq, int Sk) { return
 
 // ---- flash_fwd.cuh: FlashAttention-2 forward for one (query block, query head, batch) per CTA ----
 // Needs, from the rendered template: namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N, SUB_N, NUM_WARPS,
-// NUM_STAGES, GQA_RATIO, Q_IN_REGS, IS_BF16, elem_t } and namespace mask { visible, kv_begin, kv_end,
-// full_begin, full_end } (see attngen/masks.py for their meaning).
+// NUM_STAGES, GQA_RATIO, Q_IN_REGS, ROW_SUMS_IN_SMEM, IS_BF16, elem_t } and namespace mask { visible,
+// kv_begin, kv_end, full_begin, full_end } (see attngen/masks.py for their meaning).
 
 namespace fa {
 
@@ -127,7 +129,7 @@ constexpr int CHUNKS = HEAD_DIM / 8;             // 16-byte chunks per row
 constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
 constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
 constexpr int TILE_BYTES = Q_TILE_BYTES + 2 * NUM_STAGES * KV_TILE_BYTES;
-constexpr int ROW_SUM_BYTES = THREADS * MT * 2 * 4;  // per-thread partial row sums, fp32
+constexpr int ROW_SUM_BYTES = ROW_SUMS_IN_SMEM ? THREADS * MT * 2 * 4 : 0;  // per-thread fp32 partials
 constexpr int SMEM_BYTES = TILE_BYTES + ROW_SUM_BYTES;  // attngen/plan.py smem_bytes() must agree
 
 static_assert(WARP_ROWS == 16 || WARP_ROWS == 32, "a warp owns one or two m16 tiles");
@@ -253,10 +255,14 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     u32 q_frag[MT][Q_IN_REGS ? DK : 1][4];
     float o_acc[MT][DT][4];
     float row_max[MT][2];
-    // Per-thread partial row sums live in shared memory: they are touched once per block, and
-    // the registers they would hold are the margin a 64-key S tile needs next to O.
+    // Per-thread partial row sums: touched once per block, so where registers are tight they
+    // live in shared memory and their registers are the margin a 64-key S tile needs next to O.
+    float row_sum_regs[ROW_SUMS_IN_SMEM ? 1 : MT][2];
     float* row_sum_smem = reinterpret_cast<float*>(smem + TILE_BYTES) + threadIdx.x;
-    auto row_sum = [&](int mt, int h) -> float& { return row_sum_smem[(mt * 2 + h) * THREADS]; };
+    auto row_sum = [&](int mt, int h) -> float& {
+        if constexpr (ROW_SUMS_IN_SMEM) return row_sum_smem[(mt * 2 + h) * THREADS];
+        else return row_sum_regs[mt][h];
+    };
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -451,6 +457,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
 }  // namespace fa
 
+static_assert(fa::SMEM_BYTES == 55296, "attngen/plan.py smem_bytes() and the template disagree");
 
 extern "C" __global__ void __launch_bounds__(128, 1)
 fwd_none_d96_gqa1_bf16_m128n32w4s2(const cfg::elem_t* q, const cfg::elem_t* k, const cfg::elem_t* v, cfg::elem_t* o, float* lse,
