@@ -16,11 +16,11 @@ def attention(q, k, v, spec, *, softmax_scale=None, return_lse=False):
     return _attention(q, k, v, spec, softmax_scale=softmax_scale, return_lse=return_lse)
 
 
-def compile(spec, device=None):  # noqa: A001 - the public name mirrors torch.compile
+def compile(spec, device=None, *, fault=None):  # noqa: A001 - the public name mirrors torch.compile
     """Render, compile (disk-cached) and load a spec's kernel; see attngen.runtime.compile."""
     from attngen.runtime import compile as _compile
 
-    return _compile(spec, device)
+    return _compile(spec, device, fault=fault)
 
 
 def __getattr__(name):

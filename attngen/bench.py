@@ -56,16 +56,19 @@ def time_ms(fn, input_sets, warmup: int = WARMUP, repeats: int = REPEATS) -> flo
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def _input_sets(batch, seqlen, heads, head_dim):
+def _input_sets(batch, seqlen, heads, head_dim, dtype="bfloat16", kv_heads=None):
+    """(q, k, v) sets, enough of them that cycling through them exceeds L2 twice over."""
     import torch
 
+    kv_heads = heads if kv_heads is None else kv_heads
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    set_bytes = 3 * batch * seqlen * heads * head_dim * 2
+    set_bytes = batch * seqlen * (heads + 2 * kv_heads) * head_dim * 2
     count = max(2, -(-2 * l2 // set_bytes))
-    return [
-        tuple(torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        for _ in range(count)
-    ]
+
+    def rand(h):
+        return torch.randn(batch, seqlen, h, head_dim, device="cuda", dtype=getattr(torch, dtype))
+
+    return [(rand(heads), rand(kv_heads), rand(kv_heads)) for _ in range(count)]
 
 
 def _implementations(head_dim: int, causal: bool, seqlen: int):
@@ -117,7 +120,8 @@ def bench_config(head_dim: int, causal: bool, seqlen: int) -> Row:
     row = Row(head_dim, causal, seqlen, batch, heads, {}, {})
     # A fast wrong kernel is worthless: check attngen on a slice of the benchmark's own inputs.
     q, k, v = (x[:1, :, :2] for x in sets[0])
-    mismatch = tolerance.check_output(impls["attngen"](q, k, v), reference.attention_for_spec(q, k, v, spec), v, "bf16")
+    mismatch = tolerance.check_output(impls["attngen"](q, k, v), reference.attention_for_spec(q, k, v, spec),
+                                      q, k, v, "bf16", spec.effective_scale)
     if mismatch is not None:
         raise AssertionError(f"attngen output wrong in benchmark config d{head_dim} causal={causal} s{seqlen}: "
                              f"{mismatch}")

@@ -1,4 +1,4 @@
-"""The `attngen` command line: generate (no GPU), check (nvcc, no GPU), bench (GPU)."""
+"""The `attngen` command line: generate (no GPU), check (nvcc, no GPU), bench and tune (GPU)."""
 
 from __future__ import annotations
 
@@ -133,8 +133,22 @@ def generate(specs: tuple[Path, ...], out_dir: Path, prune: bool) -> None:
 @click.option("--arch", "archs", multiple=True, type=click.Choice(ARCHS), default=ARCHS, show_default=True,
               help="Target to compile for; repeat for several.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="Parallel nvcc runs [default: CPUs].")
-def check(specs: tuple[Path, ...], archs: tuple[str, ...], jobs: int | None) -> None:
-    """Compile each SPEC with nvcc and show the ptxas resource report; fails on spills or errors."""
+@click.option("--configs", is_flag=True,
+              help="Show every tile config of each SPEC: resources, occupancy, predicted time, pruning verdict.")
+@click.option("--seqlen", "seqlens", multiple=True, type=click.IntRange(min=1),
+              help="With --configs: sequence length to predict for; repeat for several [default: 4096].")
+@click.option("--batch-heads", "batch_heads", multiple=True, type=click.IntRange(min=1),
+              help="With --configs: batch x query heads [default: 16k tokens, hidden 2048].")
+def check(specs: tuple[Path, ...], archs: tuple[str, ...], jobs: int | None, configs: bool,
+          seqlens: tuple[int, ...], batch_heads: tuple[int, ...]) -> None:
+    """Compile each SPEC with nvcc and show the ptxas resource report; fails on spills or errors.
+    With --configs: every tile config of each SPEC, pruned and ranked as `attngen tune` would."""
+    if configs:
+        from attngen.tune.commands import check_configs
+
+        return check_configs(specs, archs, seqlens or (4096,), batch_heads, jobs)
+    if seqlens or batch_heads:
+        raise click.UsageError("--seqlen and --batch-heads only apply with --configs")
     from rich.console import Console
     from rich.table import Table
 
@@ -183,6 +197,33 @@ def check(specs: tuple[Path, ...], archs: tuple[str, ...], jobs: int | None) -> 
 
 
 @main.command()
+@click.argument("specs", metavar="[SPEC]...", nargs=-1, type=click.Path(path_type=Path))
+@click.option("--seqlen", "seqlens", multiple=True, type=click.IntRange(min=1),
+              help="Sequence length to tune for; repeat for several [default: 1024 ... 16384].")
+@click.option("--batch-heads", "batch_heads", multiple=True, type=click.IntRange(min=1),
+              help="Batch x query heads to tune for; repeat for several [default: 16k tokens, hidden 2048].")
+@click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+              help="Seconds for the whole search (the first config of each shape is always timed).")
+@click.option("--max-fraction", type=click.FloatRange(min=0, max=1, min_open=True), default=0.3, show_default=True,
+              help="Most of the space to time per shape.")
+@click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Tuning database [default: $ATTNGEN_TUNING_DB, else tuning.sqlite3 in the cache dir].")
+@click.option("--export", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Afterwards, write every entry of the database to this JSON file.")
+@click.option("--import", "import_", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="First, merge a file written by --export into the database.")
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows in the results table.")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="Parallel compiles [default: CPUs].")
+def tune(specs: tuple[Path, ...], seqlens: tuple[int, ...], batch_heads: tuple[int, ...], budget: float,
+         max_fraction: float, db_path: Path | None, export: Path | None, import_: Path | None, top: int,
+         jobs: int | None) -> None:
+    """Find the fastest tile config of each SPEC on this GPU and store it in the tuning database."""
+    from attngen.tune.commands import run_tune
+
+    run_tune(specs, seqlens, batch_heads, budget, max_fraction, db_path, export, import_, top, jobs)
+
+
+@main.command()
 @click.option("--out", "out_dir", default=DEFAULT_BENCH_OUT, show_default=True,
               type=click.Path(file_okay=False, path_type=Path), help="Directory for the JSON and PNG results.")
 @click.option("--quick", is_flag=True, help="A short run: fewer shapes and repetitions.")
@@ -205,6 +246,11 @@ def bench(out_dir: Path, quick: bool) -> None:
     results = run_bench(out_dir, quick=quick)
     click.echo(f"{len(results)} results written to {out_dir}")
 
+
+# `attngen fuzz` (GPU): its own package, attngen/fuzz/.
+from attngen.fuzz.command import fuzz  # noqa: E402
+
+main.add_command(fuzz)
 
 if __name__ == "__main__":
     main()

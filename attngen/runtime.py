@@ -114,11 +114,15 @@ def compile(spec: AttentionSpec, device: int | None = None, *, fault: str | None
 
 
 def attention(q, k, v, spec: AttentionSpec, *, softmax_scale: float | None = None, return_lse: bool = False):
-    """FlashAttention forward: q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) -> o like q (and LSE (B, Hq, Sq))."""
+    """FlashAttention forward: q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) -> o like q (and LSE (B, Hq, Sq)).
+    A spec with no tile field set runs the tile `attngen tune` found for this shape's bucket, if any."""
+    from attngen.tune.lookup import tuned_spec
+
     if not isinstance(spec, AttentionSpec):
         raise ValueError(f"spec must be an attngen.AttentionSpec, got {type(spec).__name__}")
     qi = _describe(q, "q")
     _reject_autograd(q, k, v)
+    spec = tuned_spec(spec, qi.shape, getattr(k, "shape", ()), qi.device)
     out, lse = compile(spec, qi.device)(q, k, v, softmax_scale=softmax_scale)
     return (out, lse) if return_lse else out
 

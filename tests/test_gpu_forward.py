@@ -10,31 +10,20 @@ import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import attngen
 from attngen import reference, tolerance
+from attngen.fuzz.case import make_inputs as make_case_inputs
+from attngen.fuzz.strategies import BUILTIN_SPECS, ODD_LENGTHS, fuzz_cases
 from attngen.spec import AttentionSpec
 
 pytestmark = pytest.mark.gpu
 
-ODD_LENGTHS = (1, 17, 127, 129, 1000, 4097)
 TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
 
-# A fixed pool of specs keeps the number of distinct compiles (seconds each) bounded.
-SPEC_POOL = [
-    AttentionSpec(head_dim=64, dtype="fp16"),
-    AttentionSpec(head_dim=64, dtype="bf16", mask="causal", gqa_ratio=2),
-    AttentionSpec(head_dim=128, dtype="bf16", mask="causal", gqa_ratio=4),
-    AttentionSpec(head_dim=128, dtype="fp16"),
-    AttentionSpec(head_dim=96, dtype="bf16", mask="causal"),
-    AttentionSpec(head_dim=256, dtype="bf16", mask="causal"),
-    AttentionSpec(head_dim=256, dtype="fp16", gqa_ratio=2),
-    # Non-default tiles: two m-tiles per warp, Q re-read from smem, 1 and 3 stages.
-    AttentionSpec(head_dim=128, dtype="bf16", mask="causal", block_m=128, block_n=64, num_warps=4, num_stages=2),
-    AttentionSpec(head_dim=64, dtype="bf16", mask="causal", block_m=64, block_n=32, num_warps=4, num_stages=1),
-    AttentionSpec(head_dim=64, dtype="fp16", block_m=32, block_n=128, num_warps=2, num_stages=3),
-]
+# A fixed pool of specs keeps the number of distinct compiles (seconds each) bounded; it and the
+# case strategy are the fuzzer's (attngen/fuzz/strategies.py), shared rather than copied.
+SPEC_POOL = BUILTIN_SPECS
 
 
 def make_inputs(spec, B, Sq, Sk, Hkv, *, transposed=False, logit_scale=1.0, seed=0):
@@ -64,7 +53,7 @@ def run_and_check(spec, q, k, v, softmax_scale=None):
     torch.cuda.synchronize()
     scale = spec.effective_scale if softmax_scale is None else softmax_scale
     ref, ref_lse = reference.attention_for_spec(q, k, v, spec, softmax_scale=scale, return_lse=True)
-    bad = tolerance.check_output(out, ref, v, spec.dtype) or tolerance.check_lse(lse, ref_lse, q, k, scale)
+    bad = tolerance.check_output(out, ref, q, k, v, spec.dtype, scale) or tolerance.check_lse(lse, ref_lse, q, k, scale)
     assert bad is None, f"{spec.name} B={B} Sq={Sq} Sk={Sk} Hq={Hq}: {bad}"
 
 
@@ -112,7 +101,7 @@ def test_runs_on_current_stream_and_returns_new_tensor():
     stream.synchronize()
     assert out.data_ptr() != q.data_ptr() and out.shape == q.shape and out.dtype == q.dtype
     ref = reference.attention_for_spec(q, k, v, spec)
-    assert tolerance.check_output(out, ref, v, spec.dtype) is None
+    assert tolerance.check_output(out, ref, q, k, v, spec.dtype, spec.effective_scale) is None
 
 
 def test_cupy_arrays():
@@ -124,7 +113,8 @@ def test_cupy_arrays():
     out = attngen.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), spec)
     assert isinstance(out, cupy.ndarray)
     ref = reference.attention_for_spec(q, k, v, spec)
-    assert tolerance.check_output(torch.as_tensor(out, device="cuda"), ref, v, spec.dtype) is None
+    assert tolerance.check_output(torch.as_tensor(out, device="cuda"), ref, q, k, v, spec.dtype,
+                                  spec.effective_scale) is None
 
 
 @pytest.mark.parametrize(
@@ -146,26 +136,8 @@ def test_bad_inputs_raise_clear_errors(change, match):
         attngen.attention(*change(q, k, v), spec)
 
 
-@st.composite
-def cases(draw):
-    spec = draw(st.sampled_from(SPEC_POOL))
-    near_tile = lambda n: st.sampled_from([n - 1, n, n + 1]).filter(lambda x: x >= 1)  # noqa: E731
-    length = st.one_of(st.integers(1, 700), st.sampled_from(ODD_LENGTHS), near_tile(64), near_tile(128))
-    return dict(
-        spec=spec,
-        B=draw(st.integers(1, 3)),
-        Hkv=draw(st.integers(1, 3)),
-        Sq=draw(length),
-        Sk=draw(length),
-        transposed=draw(st.booleans()),
-        logit_scale=draw(st.sampled_from([0.5, 1.0, 4.0])),
-        seed=draw(st.integers(0, 2**31 - 1)),
-    )
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(case=cases())
+@given(case=fuzz_cases(SPEC_POOL))
 def test_hypothesis_against_reference(case):
-    spec = case.pop("spec")
-    q, k, v = make_inputs(spec, **case)
-    run_and_check(spec, q, k, v)
+    q, k, v = (p.view for p in make_case_inputs(case, "cuda"))
+    run_and_check(case.spec, q, k, v, softmax_scale=case.softmax_scale)

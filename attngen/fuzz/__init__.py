@@ -1,0 +1,16 @@
+"""`attngen fuzz`: property-based correctness fuzzing of generated kernels against the reference.
+
+One job per module:
+  case.py        FuzzCase (spec, shape, memory layout, data seed) and its deterministic, poisoned inputs
+  strategies.py  hypothesis strategies over spec x shape x data, with the edge cases kernels get wrong
+  runners.py     the thing under test: the compiled kernel (optionally with a deliberate fault), or the
+                 reference itself (to test the harness without a GPU)
+  check.py       run one case, compare with the reference (attngen.tolerance), classify the failure
+  search.py      the hypothesis-driven search: examples, seed, time budget, shrinking, per-kernel stats
+  reproducer.py  write a failing case to disk (spec YAML + case JSON); load and replay it
+  sanitizer.py   compute-sanitizer (memcheck, racecheck) over a sample of cases, one process each
+  report.py      progress display and summary tables (rich when installed, plain text otherwise)
+  command.py     the `attngen fuzz` command
+
+Nothing here imports torch or hypothesis at import time, so `attngen --help` needs neither.
+"""

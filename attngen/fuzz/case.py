@@ -1,0 +1,184 @@
+"""One fuzz case, and its inputs and outputs made deterministically and poisoned.
+
+A case is a spec, a shape, a memory layout and how its data is drawn. The data is drawn on
+the CPU from a torch.Generator seeded with `data_seed`, then copied to the device, so a
+reproducer regenerates exactly the same inputs on any machine (`input_digest` confirms it).
+
+Every tensor the kernel sees is a view into a larger buffer filled with NaN:
+  contiguous  (B, S, H, D), followed by GUARD NaN elements
+  transposed  (B, H, S, D) storage seen through .transpose(1, 2) (how SDPA-layout tensors
+              arrive), followed by GUARD NaN elements
+  padded      a (B, S + 1, H, D + PAD) buffer viewed as [:, :S, :, :D]: strides that do not
+              follow from the shape, and a NaN row and NaN columns around every row
+An output element the kernel never writes stays NaN; a write outside the output changes the
+NaN around it (`Poisoned.written_outside`); a read outside an input pulls NaN into the result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attngen.reference import SPEC_DTYPES
+from attngen.spec import AttentionSpec
+
+LAYOUTS = ("contiguous", "transposed", "padded")
+GUARD = 64  # NaN elements after a flat buffer: a multiple of 8, so views stay 16-byte aligned
+PAD = 8  # extra NaN columns per row in the padded layout: 16 bytes, so rows stay 16-byte aligned
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class FuzzCase:
+    spec: AttentionSpec
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads_kv: int
+    layout: str = "contiguous"
+    # q and k are drawn from N(0, logit_scale^2), so scores have a spread of ~logit_scale^2.
+    logit_scale: float = 1.0
+    # None: the spec's scale. Otherwise passed to the kernel call (only when the spec sets none).
+    softmax_scale: float | None = None
+    data_seed: int = 0
+
+    def __post_init__(self) -> None:
+        # Cases also come from hand-editable reproducer files: every field is checked here.
+        if not isinstance(self.spec, AttentionSpec):
+            raise ValueError(f"spec={self.spec!r} is invalid; allowed: an attngen.AttentionSpec")
+        for name in ("batch", "seq_q", "seq_k", "heads_kv"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= 1")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} is invalid; allowed: {', '.join(LAYOUTS)}")
+        if not _positive_finite(self.logit_scale):
+            raise ValueError(f"logit_scale={self.logit_scale!r} is invalid; allowed: a finite float > 0")
+        if self.softmax_scale is not None and (self.spec.softmax_scale is not None
+                                               or not _positive_finite(self.softmax_scale)):
+            raise ValueError(f"softmax_scale={self.softmax_scale!r} is invalid; allowed: None, or a finite "
+                             "float > 0 when the spec sets no softmax_scale")
+        if isinstance(self.data_seed, bool) or not isinstance(self.data_seed, int) or not 0 <= self.data_seed <= MAX_SEED:
+            raise ValueError(f"data_seed={self.data_seed!r} is invalid; allowed: an integer in [0, 2**63 - 1]")
+
+    @property
+    def heads_q(self) -> int:
+        return self.heads_kv * self.spec.gqa_ratio
+
+    @property
+    def scale(self) -> float:
+        return self.spec.effective_scale if self.softmax_scale is None else self.softmax_scale
+
+    @property
+    def q_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.seq_q, self.heads_q, self.spec.head_dim)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.seq_k, self.heads_kv, self.spec.head_dim)
+
+    @property
+    def lse_shape(self) -> tuple[int, int, int]:
+        return (self.batch, self.heads_q, self.seq_q)
+
+    @property
+    def score_elements(self) -> int:
+        """B * Hq * Sq * Sk: the size of the reference's score matrix, a measure of a case's cost."""
+        return self.batch * self.heads_q * self.seq_q * self.seq_k
+
+    def label(self) -> str:
+        scale = "" if self.softmax_scale is None else f" softmax_scale={self.softmax_scale:g}"
+        return (f"B={self.batch} Sq={self.seq_q} Sk={self.seq_k} Hq={self.heads_q} Hkv={self.heads_kv} "
+                f"{self.layout} logits~{self.logit_scale:g}^2{scale} seed={self.data_seed}")
+
+
+def _positive_finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+# -- poisoned buffers -------------------------------------------------------------
+@dataclass(frozen=True)
+class Poisoned:
+    """A view (what the kernel gets) into a NaN-filled buffer larger than the view."""
+
+    buffer: torch.Tensor
+    view: torch.Tensor
+    layout: str
+
+    def written_outside(self) -> tuple[int, ...] | None:
+        """Index into the buffer of the first element outside the view that is no longer NaN."""
+        inside = torch.zeros(self.buffer.shape, dtype=torch.bool, device=self.buffer.device)
+        _view(inside, self.layout, tuple(self.view.shape)).fill_(True)
+        changed = ~torch.isnan(self.buffer) & ~inside
+        if not changed.any():
+            return None
+        return tuple(int(i) for i in changed.nonzero()[0])
+
+
+def _buffer_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if layout == "padded":
+        B, S, H, D = shape
+        return (B, S + 1, H, D + PAD)
+    return (math.prod(shape) + GUARD,)
+
+
+def _view(buffer: torch.Tensor, layout: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if layout == "contiguous":
+        return buffer[: math.prod(shape)].view(shape)
+    B, S, H, D = shape
+    if layout == "transposed":
+        return buffer[: math.prod(shape)].view(B, H, S, D).transpose(1, 2)
+    return buffer[:, :S, :, :D]
+
+
+def poisoned(shape: tuple[int, ...], layout: str, dtype: torch.dtype, device) -> Poisoned:
+    buffer = torch.full(_buffer_shape(layout, shape), math.nan, dtype=dtype, device=device)
+    return Poisoned(buffer, _view(buffer, layout, shape), layout)
+
+
+def strides(case: FuzzCase) -> dict[str, list[int]]:
+    """Element strides of q, k/v and out in the case's layout (recorded in reproducers)."""
+    meta = torch.device("meta")
+    return {name: list(poisoned(shape, case.layout, torch.float16, meta).view.stride())
+            for name, shape in (("q", case.q_shape), ("k", case.kv_shape), ("v", case.kv_shape),
+                                ("out", case.q_shape))}
+
+
+# -- inputs and outputs -----------------------------------------------------------
+def host_inputs(case: FuzzCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v on the CPU, contiguous, in the spec's dtype: a pure function of the case."""
+    gen = torch.Generator().manual_seed(case.data_seed)
+    dtype = SPEC_DTYPES[case.spec.dtype]
+
+    def draw(shape, scale):
+        return (torch.randn(shape, generator=gen, dtype=torch.float32) * scale).to(dtype)
+
+    return draw(case.q_shape, case.logit_scale), draw(case.kv_shape, case.logit_scale), draw(case.kv_shape, 1.0)
+
+
+def make_inputs(case: FuzzCase, device) -> list[Poisoned]:
+    """q, k, v on `device`, in the case's layout, inside NaN-poisoned buffers."""
+    placed = []
+    for values in host_inputs(case):
+        p = poisoned(tuple(values.shape), case.layout, values.dtype, device)
+        p.view.copy_(values)
+        placed.append(p)
+    return placed
+
+
+def make_outputs(case: FuzzCase, device) -> tuple[Poisoned, Poisoned]:
+    """out (in the case's layout) and LSE (contiguous: the kernel contract), both all NaN."""
+    out = poisoned(case.q_shape, case.layout, SPEC_DTYPES[case.spec.dtype], device)
+    lse = poisoned(case.lse_shape, "contiguous", torch.float32, device)
+    return out, lse
+
+
+def input_digest(case: FuzzCase) -> str:
+    """sha256 of the case's input bytes: a replay checks it regenerated the same data."""
+    digest = hashlib.sha256()
+    for t in host_inputs(case):
+        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

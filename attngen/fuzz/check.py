@@ -1,0 +1,90 @@
+"""Run one case through a runner and hold the result to the float64 reference.
+
+Checks, in order: the runner returned (no exception); nothing was written outside `out` or
+`lse`; the output is finite, fully written (outputs start as NaN) and within the dtype's bound;
+the LSE has -inf exactly on fully masked rows, no NaN, and is within its bound. The bounds are
+attngen.tolerance's, stated once and derived from the numerics; nothing here loosens them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from attngen import reference, tolerance
+from attngen.fuzz.case import FuzzCase, make_inputs, make_outputs
+from attngen.fuzz.runners import Runner
+
+# What each failure kind means; also the order in which the checks run.
+FAILURE_KINDS = {
+    "device": "the GPU raised a sticky error: the CUDA context is unusable for later cases in this process",
+    "crash": "the runner raised an exception",
+    "guard": "the kernel wrote outside its output tensors",
+    "output": "the output is NaN/Inf, not fully written, or differs from the reference beyond the bound",
+    "lse": "the LSE differs from the reference (value, -inf pattern or NaN)",
+}
+
+# Errors after which every later CUDA call in the process fails too (torch and CuPy spellings).
+STICKY_CUDA_ERRORS = (
+    "illegal memory access", "misaligned address", "unspecified launch failure", "illegal instruction",
+    "device-side assert", "hardware stack error", "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED",
+    "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+)
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    case: FuzzCase
+    kernel: str
+    seconds: float
+    kind: str | None = None  # a FAILURE_KINDS key, None when the case passed
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.kind is None
+
+    def describe(self) -> str:
+        status = "ok" if self.ok else f"FAILED ({self.kind}): {self.detail}"
+        return f"{self.kernel} {self.case.label()}: {status}"
+
+
+def run_case(case: FuzzCase, runner: Runner) -> CaseResult:
+    start = time.perf_counter()
+    kernel = runner.kernel_name(case.spec)
+
+    def result(kind=None, detail=""):
+        return CaseResult(case, kernel, time.perf_counter() - start, kind, detail)
+
+    if has_backward(case.spec):
+        # Fail loudly rather than pass a spec whose gradients nobody checked.
+        raise NotImplementedError(f"{kernel}: the spec has a backward pass; add gradient checks to attngen/fuzz/check.py")
+    q, k, v = (p.view for p in make_inputs(case, runner.device))
+    out, lse = make_outputs(case, runner.device)
+    try:
+        runner(case.spec, q, k, v, out=out.view, lse=lse.view, softmax_scale=case.softmax_scale)
+    except Exception as exc:  # noqa: BLE001 - whatever the runner raises is this case's failure
+        message = f"{type(exc).__name__}: {exc}"
+        return result("device" if is_sticky_cuda_error(message) else "crash", message)
+    for name, buffer in (("out", out), ("lse", lse)):
+        where = buffer.written_outside()
+        if where is not None:
+            return result("guard", f"{name}'s buffer was written outside the tensor, at buffer index {where}")
+    ref, ref_lse = reference.attention_for_spec(q, k, v, case.spec, softmax_scale=case.softmax_scale, return_lse=True)
+    bad = tolerance.check_output(out.view, ref, q, k, v, case.spec.dtype, case.scale)
+    if bad is not None:
+        return result("output", str(bad))
+    bad = tolerance.check_lse(lse.view, ref_lse, q, k, case.scale)
+    if bad is not None:
+        return result("lse", str(bad))
+    return result()
+
+
+def is_sticky_cuda_error(message: str) -> bool:
+    return any(pattern.lower() in message.lower() for pattern in STICKY_CUDA_ERRORS)
+
+
+def has_backward(spec) -> bool:
+    """Whether the spec has a backward pass whose gradients a case must check. No spec has one yet
+    (attngen generates forward kernels only), so gradient checks are not applicable today."""
+    return bool(getattr(spec, "backward", False))

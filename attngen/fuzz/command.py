@@ -1,0 +1,231 @@
+"""The `attngen fuzz` command: search, report, write the reproducer; replay; sanitize.
+
+Exit status: 0 when every case passed (and every sanitizer run was clean), 1 when a case
+failed, a replay still fails or the sanitizer found something, 2 when the tool cannot run
+(no GPU, a missing package), 130 when interrupted (after printing what ran).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+import click
+
+from attngen.faults import FAULTS
+
+DEFAULT_OUT = "fuzz-out"
+DEFAULT_EXAMPLES = 100
+DEFAULT_RANDOM_SPECS = 16
+DEFAULT_SANITIZE_SAMPLE = 20
+DEFAULT_SANITIZE_JOBS = 4
+
+
+def make_runner(fault: str | None):
+    """The thing under test: the compiled kernels on this GPU. CPU tests replace this function."""
+    from attngen.fuzz.runners import KernelRunner
+
+    return KernelRunner(fault)
+
+
+def _fail_to_start(message: str) -> NoReturn:
+    click.echo(f"error: {message}", err=True)
+    raise SystemExit(2)
+
+
+@click.command()
+@click.argument("specs", metavar="[SPEC]...", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--random-specs", is_flag=True,
+              help="Also fuzz random valid specs (random fields and tiles), drawn from the seed.")
+@click.option("--random-spec-count", type=click.IntRange(min=1), default=DEFAULT_RANDOM_SPECS, show_default=True,
+              help="How many random specs --random-specs adds.")
+@click.option("--examples", type=click.IntRange(min=1), default=DEFAULT_EXAMPLES, show_default=True,
+              help="Cases to run (shrink steps not counted).")
+@click.option("--seed", type=click.IntRange(min=0), default=None,
+              help="Makes the run repeatable (cases and data). [default: random, printed]")
+@click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+              help="Stop drawing new cases after this long; a failure found in time is still shrunk.")
+@click.option("--max-seq-len", type=click.IntRange(min=2), default=None, metavar="N",
+              help="Longest query/key length to draw (a single query sees up to 4N keys). [default: 4200]")
+@click.option("--out", "out_dir", default=DEFAULT_OUT, show_default=True,
+              type=click.Path(file_okay=False, path_type=Path),
+              help="Where reproducers go: OUT/failures/ and, with --sanitize, OUT/sanitize/.")
+@click.option("--replay", "replays", multiple=True, type=click.Path(path_type=Path), metavar="PATH",
+              help="Re-run a reproducer directory instead of fuzzing; exits 1 if it still fails. Repeatable.")
+@click.option("--sanitize", is_flag=True,
+              help="Afterwards, replay one passing case per kernel under compute-sanitizer memcheck and racecheck "
+                   "(with --replay: the reproducers).")
+@click.option("--sanitize-sample", type=click.IntRange(min=1), default=DEFAULT_SANITIZE_SAMPLE, show_default=True,
+              help="How many kernels --sanitize covers.")
+@click.option("--sanitize-jobs", type=click.IntRange(min=1), default=DEFAULT_SANITIZE_JOBS, show_default=True,
+              help="Sanitizer processes to run at once.")
+@click.option("--fault", type=click.Choice(sorted(FAULTS)), default=None,
+              help="Run deliberately broken kernels (attngen/faults.py), to check that the fuzzer catches them.")
+def fuzz(specs, random_specs, random_spec_count, examples, seed, time_budget, max_seq_len, out_dir, replays, sanitize,
+         sanitize_sample, sanitize_jobs, fault) -> None:
+    """Fuzz the kernels of each SPEC (default: the built-in pool) against the reference.
+
+    Hypothesis draws spec x shape x data, including seqlen 1, a single query against long keys,
+    Sk < Sq, lengths around tile multiples, fully masked rows, logits near +-1e4, many heads and
+    strided inputs. Outputs are NaN-poisoned before every launch. A failure is shrunk to a minimal
+    case and written as a reproducer; the command that replays it is printed.
+    """
+    try:
+        import hypothesis  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError as exc:
+        _fail_to_start(f"attngen fuzz needs torch and hypothesis (pip install hypothesis); import failed: {exc}")
+    sanitizing = Sanitizing(sanitize_sample, sanitize_jobs) if sanitize else None
+    if replays:
+        if specs or random_specs:
+            raise click.UsageError("--replay runs reproducers: it takes no SPEC arguments and no --random-specs")
+        raise SystemExit(_replay_all(replays, fault, sanitizing))
+    runner = _runner(fault)
+    seed = secrets.randbelow(2**32) if seed is None else seed
+    pool = _spec_pool(specs, random_specs, random_spec_count, seed, runner.arch)
+    raise SystemExit(_fuzz(pool, runner, examples=examples, seed=seed, limits=_limits(max_seq_len),
+                           time_budget=time_budget, out_dir=out_dir, fault=fault, sanitizing=sanitizing))
+
+
+@dataclass(frozen=True)
+class Sanitizing:
+    sample: int  # kernels
+    jobs: int  # processes at once
+
+
+def _runner(fault):
+    try:
+        return make_runner(fault)
+    except RuntimeError as exc:
+        _fail_to_start(str(exc))
+
+
+def _limits(max_seq_len: int | None):
+    from attngen.fuzz.strategies import DEFAULT_LIMITS
+
+    return DEFAULT_LIMITS if max_seq_len is None else DEFAULT_LIMITS.up_to(max_seq_len)
+
+
+def _spec_pool(paths, random_specs: bool, random_spec_count: int, seed: int, arch: str) -> tuple:
+    import attngen
+    from attngen.fuzz.strategies import BUILTIN_SPECS, random_spec_pool
+    from attngen.plan import make_plan
+
+    given = [attngen.load_spec(path) for path in paths]
+    for spec in given:
+        make_plan(spec, arch)  # a tile this GPU cannot hold is an error naming the file, not a failing case
+    pool = given or list(BUILTIN_SPECS)
+    if random_specs:
+        pool += random_spec_pool(seed, random_spec_count, arch)
+    return tuple(dict.fromkeys(pool))
+
+
+def _fuzz(pool, runner, *, examples, seed, limits, time_budget, out_dir: Path, fault, sanitizing) -> int:
+    from attngen.fuzz.report import Progress, print_summary
+    from attngen.fuzz.search import search
+
+    budget = f", time budget {time_budget:g} s" if time_budget else ""
+    click.echo(f"attngen fuzz: {len(pool)} specs, up to {examples} cases, seed {seed}{budget}"
+               f"{f', fault {fault}' if fault else ''}")
+    with _hypothesis_files_under(out_dir), Progress(examples) as progress:
+        outcome = search(pool, runner, examples=examples, seed=seed, time_budget=time_budget, limits=limits,
+                         on_case=progress.update)
+    print_summary(outcome)
+    status = 0
+    if outcome.failure is not None:
+        _report_failure(outcome, out_dir / "failures", runner.arch, fault)
+        status = 1
+    if outcome.stopped == "interrupted":
+        return 130
+    if sanitizing is not None:
+        from attngen.fuzz.reproducer import reproducer_dir, write_reproducer
+        from attngen.fuzz.sanitizer import choose_samples
+
+        chosen = choose_samples(outcome.kernels.values(), sanitizing.sample)
+        if len(chosen) < sanitizing.sample:
+            click.echo(f"note: --sanitize-sample {sanitizing.sample}, but only {len(chosen)} kernels have a passing "
+                       "case in this run (add specs or --random-specs)")
+        samples = [(s.kernel, write_reproducer(reproducer_dir(out_dir / "sanitize", s.sample, s.kernel), s.sample,
+                                               kernel=s.kernel, arch=runner.arch, fault=fault)) for s in chosen]
+        status = max(status, _sanitize(samples, sanitizing.jobs))
+    return status
+
+
+@contextlib.contextmanager
+def _hypothesis_files_under(out_dir: Path):
+    """Hypothesis keeps caches (not an example database: search() uses none) in ./.hypothesis by
+    default; the tool keeps them under --out instead, unless HYPOTHESIS_STORAGE_DIRECTORY says where."""
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    if "HYPOTHESIS_STORAGE_DIRECTORY" in os.environ:
+        yield
+        return
+    set_hypothesis_home_dir(out_dir / ".hypothesis")
+    try:
+        yield
+    finally:
+        set_hypothesis_home_dir(None)
+
+
+def _report_failure(outcome, failures_dir: Path, arch: str, fault) -> None:
+    from attngen.fuzz.check import FAILURE_KINDS
+    from attngen.fuzz.reproducer import replay_command, reproducer_dir, write_reproducer
+
+    failure = outcome.failure
+    path = write_reproducer(reproducer_dir(failures_dir, failure.case, failure.kernel), failure.case,
+                            kernel=failure.kernel, arch=arch, fault=fault, failure=failure)
+    if outcome.shrunk:
+        how = f"shrunk in {outcome.shrink_steps} steps from: {outcome.first_failure.case.label()}"
+    elif outcome.flaky:
+        how = "not shrunk: it passed when run again (a race, or a read of uninitialised memory?)"
+    else:
+        how = "not shrunk: the GPU context is unusable after this error; the replay runs in a fresh process"
+    click.echo(f"\nFAILED ({failure.kind}: {FAILURE_KINDS[failure.kind]})\n"
+               f"  kernel: {failure.kernel}\n  case:   {failure.case.label()}\n  {how}\n"
+               f"  detail: {failure.detail}\n  reproducer: {path}\n"
+               f"replay it with:\n  {replay_command(path)}")
+
+
+def _replay_all(paths, fault, sanitizing: Sanitizing | None) -> int:
+    from attngen.fuzz.reproducer import load_reproducer, replay
+
+    runners: dict = {}
+    status = 0
+    loaded = [load_reproducer(path) for path in paths]
+    for repro in loaded:
+        use_fault = fault if fault is not None else repro.fault
+        if use_fault not in runners:
+            runners[use_fault] = _runner(use_fault)
+        result, warnings = replay(repro, runners[use_fault])
+        for warning in warnings:
+            click.echo(f"warning: {repro.path}: {warning}", err=True)
+        click.echo(f"{'PASS' if result.ok else 'FAIL'} {repro.path}: {result.describe()}")
+        status = max(status, 0 if result.ok else 1)
+    if sanitizing is not None:
+        status = max(status, _sanitize([(repro.kernel, repro.path) for repro in loaded], sanitizing.jobs))
+    return status
+
+
+def _sanitize(samples, jobs: int) -> int:
+    from attngen.fuzz.report import print_table
+    from attngen.fuzz.sanitizer import TOOLS, sanitize
+
+    click.echo(f"compute-sanitizer: {len(samples)} kernels x {', '.join(TOOLS)}, one process each, {jobs} at a time")
+    results = sanitize(samples, jobs=jobs,
+                       on_result=lambda r: click.echo(f"  {r.tool:<9} {r.kernel}: {r.finding or 'clean'}"))
+    by_kernel: dict[str, dict[str, str]] = {}
+    for r in results:
+        by_kernel.setdefault(r.kernel, {})[r.tool] = r.finding or "clean"
+    print_table("compute-sanitizer", ["kernel", *TOOLS],
+                [[kernel, *(cells.get(tool, "-") for tool in TOOLS)] for kernel, cells in by_kernel.items()])
+    dirty = [r for r in results if not r.clean]
+    for r in dirty:
+        click.echo(f"\n{r.tool} finding for {r.kernel} ({r.finding}); rerun with:\n  {shlex.join(r.command)}\n"
+                   f"{r.report.excerpt or r.output_tail}")
+    click.echo(f"sanitizer: {len(results) - len(dirty)}/{len(results)} runs clean over {len(by_kernel)} kernels")
+    return 1 if dirty else 0

@@ -1,0 +1,159 @@
+"""The search: hypothesis draws cases, `run_case` runs each; a failure is shrunk to a minimal case.
+
+One hypothesis run, seeded with --seed and with no example database, so a run is a function of
+its seed. The first case drawn after the time budget is spent ends the run, so a run ends
+within about one case of its budget; a failure found in time is always shrunk.
+
+A sticky CUDA error (an illegal address, say) makes every later CUDA call in the process fail,
+so shrinking it would "minimise" to whatever case came next: the search stops trying cases and
+reports the case that raised it, unshrunk. Its reproducer replays in a fresh process.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis.errors import Flaky
+
+from attngen.fuzz.case import FuzzCase
+from attngen.fuzz.check import FAILURE_KINDS, CaseResult, run_case
+from attngen.fuzz.runners import Runner
+from attngen.fuzz.sanitizer import sample_key
+from attngen.fuzz.strategies import DEFAULT_LIMITS, Limits, fuzz_cases
+from attngen.spec import AttentionSpec
+
+
+class CaseFailed(Exception):
+    def __init__(self, result: CaseResult):
+        super().__init__(result.describe())
+        self.result = result
+
+
+class _BudgetSpent(BaseException):
+    """Ends a hypothesis run from inside: like KeyboardInterrupt, hypothesis lets it through unshrunk."""
+
+
+# One exception type per failure kind: hypothesis keeps a failure's kind while it shrinks it
+# (it tells failures apart by exception type), so a wrong value never shrinks into a crash.
+_FAILURE_TYPES = {kind: type(f"{kind.title()}Failure", (CaseFailed,), {}) for kind in FAILURE_KINDS}
+
+
+@dataclass
+class KernelStats:
+    kernel: str
+    spec: AttentionSpec
+    cases: int = 0
+    failures: int = 0
+    seconds: float = 0.0
+    longest_seq_q: int = 0
+    longest_seq_k: int = 0
+    sample: FuzzCase | None = None  # the passing case a sanitizer run replays for this kernel
+
+
+@dataclass
+class SearchOutcome:
+    seed: int
+    examples: int
+    cases: int = 0  # cases drawn and run, shrink steps not included
+    shrink_steps: int = 0
+    seconds: float = 0.0
+    stopped: str = ""  # "examples", "time budget", "failure", "exhausted" or "interrupted"
+    failure: CaseResult | None = None  # the minimal failing case (or the first, when not shrunk)
+    first_failure: CaseResult | None = None
+    device_error: CaseResult | None = None  # the case after which the GPU context was unusable
+    shrunk: bool = False
+    flaky: bool = False  # the failure did not happen again when hypothesis replayed it
+    kernels: dict[str, KernelStats] = field(default_factory=dict)
+
+    @property
+    def throughput(self) -> float:
+        return self.cases / self.seconds if self.seconds > 0 else 0.0
+
+    def record(self, result: CaseResult, arch: str) -> None:
+        stats = self.kernels.setdefault(result.kernel, KernelStats(result.kernel, result.case.spec))
+        stats.cases += 1
+        stats.failures += not result.ok
+        stats.seconds += result.seconds
+        stats.longest_seq_q = max(stats.longest_seq_q, result.case.seq_q)
+        stats.longest_seq_k = max(stats.longest_seq_k, result.case.seq_k)
+        if result.ok and (stats.sample is None or sample_key(result.case, arch) < sample_key(stats.sample, arch)):
+            stats.sample = result.case
+
+
+OnCase = Callable[[CaseResult, SearchOutcome, bool], None]
+
+
+def search(specs, runner: Runner, *, examples: int, seed: int, time_budget: float | None = None,
+           limits: Limits = DEFAULT_LIMITS, on_case: OnCase | None = None) -> SearchOutcome:
+    """Run up to `examples` cases over `specs`; stop early at the time budget or the first failure."""
+    if examples < 1:
+        raise ValueError(f"examples={examples!r} is invalid; allowed: an integer >= 1")
+    if time_budget is not None and not time_budget > 0:
+        raise ValueError(f"time_budget={time_budget!r} is invalid; allowed: seconds > 0, or None for no limit")
+    strategy = fuzz_cases(specs, limits, runner.arch)
+    outcome = SearchOutcome(seed=seed, examples=examples)
+    start = time.monotonic()
+
+    def budget_spent() -> bool:
+        return time_budget is not None and time.monotonic() - start >= time_budget
+
+    try:
+        _run(strategy, runner, outcome, budget_spent, on_case)
+    except KeyboardInterrupt:
+        outcome.stopped = "interrupted"
+    except _BudgetSpent:
+        outcome.stopped = "time budget"
+    outcome.seconds = time.monotonic() - start
+    if not outcome.stopped:
+        # Fewer cases than asked only when hypothesis has tried every case the strategy can draw.
+        outcome.stopped = "failure" if outcome.failure else "examples" if outcome.cases >= examples else "exhausted"
+    return outcome
+
+
+def _run(strategy, runner, outcome: SearchOutcome, budget_spent: Callable[[], bool], on_case: OnCase | None) -> None:
+    def one_case(case: FuzzCase) -> None:
+        if outcome.device_error is not None:
+            raise _FAILURE_TYPES["device"](outcome.device_error)  # the GPU is unusable: run nothing more
+        shrinking = outcome.first_failure is not None
+        if not shrinking:
+            if budget_spent():
+                raise _BudgetSpent
+            outcome.cases += 1
+        result = run_case(case, runner)
+        if shrinking:
+            outcome.shrink_steps += 1
+        else:
+            outcome.record(result, runner.arch)
+        if on_case is not None:
+            on_case(result, outcome, shrinking)
+        if not result.ok:
+            outcome.first_failure = outcome.first_failure or result
+            if result.kind == "device":
+                outcome.device_error = result
+            outcome.failure = result  # the latest failing case; hypothesis' final replay is the minimal one
+            raise _FAILURE_TYPES[result.kind](result)
+
+    test = hypothesis_seed(outcome.seed)(settings(
+        max_examples=outcome.examples,
+        database=None,  # a run is a function of its seed, not of earlier runs
+        deadline=None,  # cases differ in size by orders of magnitude
+        suppress_health_check=[HealthCheck.too_slow],
+        phases=[Phase.generate, Phase.shrink],
+        report_multiple_bugs=False,
+        verbosity=Verbosity.quiet,
+        print_blob=False,
+    )(given(strategy)(one_case)))
+    try:
+        test()
+    except CaseFailed as exc:
+        outcome.failure, outcome.shrunk = exc.result, True
+    except Flaky:
+        # The minimal case passed when hypothesis ran it again: report the last failing case seen.
+        outcome.flaky = True
+    if outcome.device_error is not None:
+        # Even while shrinking another failure: nothing after it ran, and it is the worse bug.
+        outcome.failure, outcome.shrunk, outcome.flaky = outcome.device_error, False, False

@@ -1,0 +1,187 @@
+"""What the search shows people: progress bars, the ranked table, the results table."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import fields
+
+from attngen.plan import KernelPlan
+from attngen.tune.model import Shape
+from attngen.tune.ranking import Ranked
+
+# KernelPlan fields that restate the spec or its shape; the rest are the plan's own choices.
+_RESTATED = {"spec", "name", "arch", "dtype", "head_dim", "gqa_ratio", "block_m", "block_n", "num_warps",
+             "num_stages", "threads", "smem_bytes", "min_blocks_per_sm", "mask"}
+
+
+def plan_choices(plan: KernelPlan | None) -> str:
+    """The template parameters the plan derives (sub_n, q_in_regs, ...), compactly."""
+    if plan is None:
+        return "-"
+    parts = []
+    for f in fields(plan):
+        value = getattr(plan, f.name)
+        if f.name in _RESTATED or value is None:
+            continue
+        if isinstance(value, bool):
+            parts.append(f.name if value else "")
+        else:
+            parts.append(f"{f.name}={value}")
+    return " ".join(p for p in parts if p)
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman rank correlation (ties get their mean rank); nan for fewer than 3 pairs."""
+    if len(xs) != len(ys):
+        raise ValueError(f"spearman needs equal lengths, got {len(xs)} and {len(ys)}")
+    if len(xs) < 3:
+        return math.nan
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / var if var else math.nan
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+# -- progress -------------------------------------------------------------------------------------
+class Progress:
+    """Progress bars on stderr, one task at a time: rich's when installed, else click's."""
+
+    def __init__(self):
+        self._rich = self._bar = None
+        try:
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn,
+                                       TimeElapsedColumn)
+
+            self._rich = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), TextColumn("{task.fields[note]}"),
+                                      console=Console(stderr=True))
+        except ImportError:
+            pass
+
+    def __enter__(self) -> "Progress":
+        if self._rich is not None:
+            self._rich.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._close_bar()
+        if self._rich is not None:
+            self._rich.__exit__(*exc)
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(None, None, None)
+            self._bar = None
+
+    def task(self, label: str, total: int) -> "_Task":
+        """A new bar of `total` steps (click's: the previous one ends)."""
+        if self._rich is not None:
+            task_id = self._rich.add_task(label, total=total, note="")
+            return _Task(lambda note: self._rich.update(task_id, advance=1, note=note))
+        import click
+
+        self._close_bar()
+        self._bar = bar = click.progressbar(length=total, label=label, file=sys.stderr)
+        bar.__enter__()
+        return _Task(lambda note: bar.update(1))
+
+
+class _Task:
+    def __init__(self, advance_fn):
+        self._advance = advance_fn
+
+    def advance(self, note: str = "") -> None:
+        self._advance(note)
+
+
+# -- tables ---------------------------------------------------------------------------------------
+def _fmt_ms(ms: float | None) -> str:
+    return "-" if ms is None or not math.isfinite(ms) else f"{ms:.3f}"
+
+
+def _resources(r: Ranked) -> list[str]:
+    report, occ = r.pruned.report, r.pruned.occupancy
+    if report is None:
+        return ["-"] * 4
+    return [str(report.registers), f"{report.smem_total_bytes / 1024:.1f}",
+            f"{report.spill_store_bytes}/{report.spill_load_bytes}",
+            f"{occ.ctas} ({occ.warps}w, {occ.limiter})" if occ else "-"]
+
+
+def _console():
+    from rich.console import Console
+
+    # Not a terminal (CI logs, pipes): wide enough that rows are never cut.
+    return Console() if sys.stdout.isatty() else Console(width=220, no_color=True)
+
+
+def print_ranked(ranked: list[Ranked], shape: Shape, title: str) -> None:
+    """`attngen check --configs`: every candidate, survivors in predicted order, then the pruned."""
+    from rich.table import Table
+
+    print(title)  # not the table's title: rich would wrap a long one
+    table = Table()
+    for col in ("#", "config", "plan", "regs", "smem KB", "spill st/ld", "CTAs/SM", "pred ms", "pred TFLOP/s",
+                "bound", "verdict"):
+        table.add_column(col, justify="left" if col in ("config", "plan", "CTAs/SM", "bound", "verdict") else "right",
+                         no_wrap=col != "verdict")
+    flops = shape.flops(ranked[0].spec.head_dim, ranked[0].spec.mask == "causal") if ranked else 0.0
+    for i, r in enumerate(ranked, 1):
+        est = r.estimate
+        table.add_row(str(i) if r.pruned.survives else "-", r.label, plan_choices(r.pruned.candidate.plan),
+                      *_resources(r), _fmt_ms(r.predicted_ms if est else None),
+                      f"{flops / est.ms / 1e9:.0f}" if est else "-", est.bound if est else "-",
+                      "ok" if r.pruned.survives else r.pruned.reason)
+    _console().print(table)
+
+
+def print_result(result, top: int) -> None:
+    """`attngen tune`: the top timed configs, the winner, coverage and predicted-vs-measured."""
+    from rich.table import Table
+
+    predicted_rank = {id(r): i for i, r in enumerate(result.ranked, 1)}
+    timed = sorted(result.timings, key=lambda t: (t.ms, predicted_rank[id(t.ranked)]))
+    print(f"{result.spec.to_dict()} on {result.shape.label()} ({result.gpu.name})")
+    table = Table()
+    for col in ("#", "config", "plan", "regs", "smem KB", "spill st/ld", "CTAs/SM", "pred ms", "pred #", "ms",
+                "TFLOP/s", "note"):
+        table.add_column(col, justify="left" if col in ("config", "plan", "CTAs/SM", "note") else "right",
+                         no_wrap=col != "note")
+    for i, t in enumerate(timed[:top], 1):
+        note = t.error or ("probe only" if t.probe_only else "")
+        table.add_row(str(i), t.ranked.label, plan_choices(t.ranked.pruned.candidate.plan), *_resources(t.ranked),
+                      _fmt_ms(t.ranked.predicted_ms), str(predicted_rank[id(t.ranked)]), _fmt_ms(t.ms),
+                      f"{result.tflops(t.ms):.1f}" if t.ok else "-", note)
+    _console().print(table)
+    for line in summary_lines(result):
+        print(line)
+
+
+def summary_lines(result) -> list[str]:
+    ok = [t for t in result.timings if t.ok]
+    rho = spearman([t.ranked.predicted_ms for t in ok], [t.ms for t in ok])
+    win = result.winner
+    return [
+        f"winner: {win.ranked.label} {win.ms:.3f} ms, {result.tflops(win.ms):.1f} TFLOP/s "
+        f"(predicted {win.ranked.predicted_ms:.3f} ms, model rank {result.ranked.index(win.ranked) + 1})",
+        f"timed {len(result.timings)} of {result.launchable} launchable configs "
+        f"({len(result.timings) / result.launchable:.0%}; stopped by {result.stopped_by}) in {result.seconds:.1f} s",
+        f"predicted vs measured rank correlation (Spearman, {len(ok)} timed): {rho:.2f}",
+    ]

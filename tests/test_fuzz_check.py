@@ -1,0 +1,122 @@
+"""One case through the harness (CPU): correct runners pass, and each way of being wrong is caught and named."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from attngen import reference, tolerance
+from attngen.fuzz import check
+from attngen.fuzz.case import LAYOUTS, FuzzCase
+from attngen.fuzz.check import FAILURE_KINDS, run_case
+from attngen.fuzz.runners import ReferenceRunner
+from attngen.spec import AttentionSpec
+
+CAUSAL = AttentionSpec(head_dim=64, dtype="bf16", mask="causal", gqa_ratio=2, block_m=16, block_n=16, num_warps=1,
+                       num_stages=2)
+# Sq > Sk under bottom-right causal alignment: the first Sq - Sk rows see no key.
+MASKED_ROWS = FuzzCase(CAUSAL, batch=2, seq_q=21, seq_k=9, heads_kv=2, data_seed=3)
+
+
+class Broken(ReferenceRunner):
+    """The reference, then `damage(spec, q, k, v, out, lse)` applied to its results."""
+
+    def __init__(self, damage):
+        self.damage = damage
+
+    def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None):
+        super().__call__(spec, q, k, v, out=out, lse=lse, softmax_scale=softmax_scale)
+        self.damage(spec, q, k, v, out, lse)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("logit_scale", [1.0, 100.0])
+def test_the_reference_passes_its_own_harness(layout, logit_scale):
+    for case in (MASKED_ROWS, replace(MASKED_ROWS, seq_q=1, seq_k=40), replace(MASKED_ROWS, softmax_scale=0.5)):
+        result = run_case(replace(case, layout=layout, logit_scale=logit_scale), ReferenceRunner())
+        assert result.ok, result.describe()
+        assert result.kernel == CAUSAL.name and result.seconds > 0
+
+
+def _leave_last_row_unwritten(spec, q, k, v, out, lse):
+    out[:, -1] = math.nan
+
+
+def _write_past_the_output(spec, q, k, v, out, lse):
+    # The element just after a contiguous output: inside the poisoned buffer, outside the tensor.
+    torch.as_strided(out, (1,), (1,), out.storage_offset() + out.numel()).fill_(1.0)
+
+
+def _zero_lse_of_masked_rows(spec, q, k, v, out, lse):
+    lse[torch.isneginf(lse)] = 0.0
+
+
+def _nan_in_lse(spec, q, k, v, out, lse):
+    lse[0, 0, -1] = math.nan
+
+
+def _raise(message):
+    def damage(*args):
+        raise RuntimeError(message)
+
+    return damage
+
+
+@pytest.mark.parametrize(
+    "damage, kind, detail",
+    [
+        (_leave_last_row_unwritten, "output", "output has NaN/Inf"),
+        (_write_past_the_output, "guard", "out's buffer was written outside the tensor"),
+        (_zero_lse_of_masked_rows, "lse", "LSE -inf pattern differs"),
+        (_nan_in_lse, "lse", "LSE has NaN"),
+        (_raise("launch failed: too many resources"), "crash", "RuntimeError: launch failed"),
+        (_raise("CUDA error: an illegal memory access was encountered"), "device", "illegal memory access"),
+    ],
+)
+def test_each_kind_of_wrong_is_caught_and_named(damage, kind, detail):
+    result = run_case(MASKED_ROWS, Broken(damage))
+    assert result.kind == kind and detail in result.detail, result.describe()
+    assert kind in FAILURE_KINDS and f"FAILED ({kind})" in result.describe()
+
+
+def _perturb_output(factor):
+    """Move every output element by `factor` times the tolerance bound (attngen.tolerance's formula)."""
+
+    def damage(spec, q, k, v, out, lse):
+        ref = reference.attention_for_spec(q, k, v, spec)
+        bound = tolerance.output_bound(ref, q, k, v, spec.dtype, spec.effective_scale)
+        out.copy_((ref.double() + factor * bound).to(out.dtype))
+
+    return damage
+
+
+def test_errors_within_the_bound_pass_and_beyond_it_fail():
+    # Within: a quarter of the bound, plus the rounding of the result to bf16 (at most u|ref|).
+    assert run_case(MASKED_ROWS, Broken(_perturb_output(0.25))).ok
+    result = run_case(MASKED_ROWS, Broken(_perturb_output(3.0)))
+    assert result.kind == "output" and "exceeds bound" in result.detail
+
+
+def test_lse_errors_beyond_the_bound_fail():
+    def damage(spec, q, k, v, out, lse):
+        lse[0, 0, -1] += 1e-2
+
+    result = run_case(MASKED_ROWS, Broken(damage))
+    assert result.kind == "lse" and "exceeds bound" in result.detail
+
+
+def test_sticky_cuda_errors_are_recognised_in_torch_and_cupy_spellings():
+    assert check.is_sticky_cuda_error("CUDA error: an illegal memory access was encountered")
+    assert check.is_sticky_cuda_error("CUDADriverError: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access")
+    assert check.is_sticky_cuda_error("CUDA error: misaligned address")
+    assert not check.is_sticky_cuda_error("CUDA error: out of memory")
+
+
+def test_gradient_checks_are_not_applicable_yet_and_fail_loudly_once_they_are(monkeypatch):
+    assert not check.has_backward(CAUSAL)
+    monkeypatch.setattr(check, "has_backward", lambda spec: True)
+    with pytest.raises(NotImplementedError, match="add gradient checks"):
+        run_case(MASKED_ROWS, ReferenceRunner())

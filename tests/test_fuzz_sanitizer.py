@@ -1,0 +1,153 @@
+"""The sanitizer driver (CPU): reading compute-sanitizer's reports, the commands it runs, the sample it
+picks, and the whole subprocess path against a stand-in compute-sanitizer script."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from attngen.fuzz import sanitizer
+from attngen.fuzz.case import FuzzCase
+from attngen.fuzz.sanitizer import (SanitizerReport, SanitizerResult, choose_samples, parse_report, sample_key,
+                                    sanitize, sanitizer_command)
+from attngen.spec import AttentionSpec
+
+MEMCHECK_CLEAN = """========= COMPUTE-SANITIZER
+PASS /tmp/x: fwd_none_d64 ok
+========= ERROR SUMMARY: 0 errors
+"""
+MEMCHECK_ERRORS = """========= COMPUTE-SANITIZER
+========= Invalid __global__ write of size 16 bytes
+=========     at fwd_none_d64_gqa1_fp16_m128n128w4s2+0x1a30
+=========     by thread (0,0,0) in block (3,0,0)
+=========     Address 0x7f00 is out of bounds
+=========
+========= ERROR SUMMARY: 2 errors
+"""
+RACECHECK_CLEAN = """========= COMPUTE-SANITIZER
+========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)
+"""
+RACECHECK_HAZARDS = """========= COMPUTE-SANITIZER
+========= Error: Race reported between Write access at fwd_x+0x10 and Read access at fwd_x+0x40 [128 hazards]
+=========
+========= Warning: Race reported between Read access at fwd_x+0x80 and Write access at fwd_x+0x90 [4 hazards]
+========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)
+"""
+
+
+@pytest.mark.parametrize(
+    "text, errors, warnings, excerpt",
+    [
+        (MEMCHECK_CLEAN, 0, 0, ""),
+        (MEMCHECK_ERRORS, 2, 0, "Invalid __global__ write of size 16 bytes"),
+        (RACECHECK_CLEAN, 0, 0, ""),
+        (RACECHECK_HAZARDS, 1, 1, "Race reported between Write access"),
+    ],
+)
+def test_reports_are_read(text, errors, warnings, excerpt):
+    report = parse_report(text)
+    assert (report.summary_found, report.errors, report.warnings) == (True, errors, warnings)
+    assert excerpt in report.excerpt and "SUMMARY" not in report.excerpt and "COMPUTE-SANITIZER" not in report.excerpt
+
+
+def test_missing_summary_is_not_clean():
+    report = parse_report("Traceback (most recent call last):\nImportError: no torch\n")
+    assert not report.summary_found
+    result = SanitizerResult("k", "memcheck", Path("d"), (), 1, report)
+    assert not result.clean and result.finding == "no memcheck summary in the output (exit status 1)"
+
+
+@pytest.mark.parametrize(
+    "returncode, report, finding",
+    [
+        (0, SanitizerReport(True, 0, 0, ""), ""),
+        (0, SanitizerReport(True, 3, 1, ""), "3 errors, 1 warnings"),
+        (1, SanitizerReport(True, 0, 0, ""), "the replay exited with status 1"),
+        (None, SanitizerReport(False, 0, 0, ""), "timed out"),
+    ],
+)
+def test_a_run_is_clean_only_with_a_summary_no_findings_and_a_passing_replay(returncode, report, finding):
+    result = SanitizerResult("k", "racecheck", Path("d"), (), returncode, report)
+    assert result.finding == finding and result.clean == (finding == "")
+
+
+def test_command_instruments_only_the_kernel_and_replays_the_case():
+    command = sanitizer_command("/cuda/bin/compute-sanitizer", "racecheck", "fwd_none_d64", Path("out/s/x"), "py")
+    assert command == ["/cuda/bin/compute-sanitizer", "--tool", "racecheck", "--kernel-name", "kns=fwd_none_d64",
+                       "--report-api-errors", "no", "py", "-m", "attngen.cli", "fuzz", "--replay", "out/s/x"]
+    with pytest.raises(ValueError, match="tool='initcheck' is invalid; allowed: memcheck, racecheck"):
+        sanitizer_command("cs", "initcheck", "k", Path("d"))
+
+
+SPEC = AttentionSpec(head_dim=64, dtype="fp16", block_m=32, block_n=16, num_warps=2, num_stages=2)
+
+
+def test_sample_prefers_cheap_cases_with_partial_tiles():
+    exact = FuzzCase(SPEC, batch=1, seq_q=64, seq_k=64, heads_kv=1)
+    partial = FuzzCase(SPEC, batch=2, seq_q=65, seq_k=33, heads_kv=2, layout="transposed")
+    huge = FuzzCase(SPEC, batch=3, seq_q=4097, seq_k=4097, heads_kv=3, layout="padded")
+    assert sorted([exact, huge, partial], key=lambda c: sample_key(c, "sm_90")) == [partial, exact, huge]
+
+
+def test_choose_samples_takes_kernels_with_a_passing_case_in_name_order():
+    stats = [SimpleNamespace(kernel=name, sample=sample) for name, sample in (("b", 1), ("a", 2), ("c", None), ("d", 3))]
+    assert [s.kernel for s in choose_samples(stats, 2)] == ["a", "b"]
+    assert [s.kernel for s in choose_samples(stats, 10)] == ["a", "b", "d"]
+
+
+FAKE_SANITIZER = """#!/usr/bin/env bash
+# Stands in for compute-sanitizer: echoes what it was given and prints the tool's summary.
+echo "args: $*"
+echo "caching off: $PYTORCH_NO_CUDA_MEMORY_CACHING"
+sleep "${FAKE_SLEEP:-0}"
+if [ "$2" = memcheck ]; then echo "========= ERROR SUMMARY: ${FAKE_ERRORS:-0} errors"; fi
+if [ "$2" = racecheck ]; then echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"; fi
+exit "${FAKE_EXIT:-0}"
+"""
+
+
+@pytest.fixture
+def fake_sanitizer(tmp_path, monkeypatch):
+    path = tmp_path / "bin" / "compute-sanitizer"
+    path.parent.mkdir()
+    path.write_text(FAKE_SANITIZER)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{path.parent}{os.pathsep}{os.environ['PATH']}")
+    return path
+
+
+def test_compute_sanitizer_is_found_on_path(fake_sanitizer):
+    assert sanitizer.find_compute_sanitizer() == str(fake_sanitizer)
+
+
+def test_sanitize_runs_every_tool_per_sample_in_its_own_process(fake_sanitizer, tmp_path):
+    seen = []
+    results = sanitize([("fwd_a", tmp_path / "a"), ("fwd_b", tmp_path / "b")], on_result=seen.append)
+    assert [(r.kernel, r.tool) for r in results] == [("fwd_a", "memcheck"), ("fwd_a", "racecheck"),
+                                                     ("fwd_b", "memcheck"), ("fwd_b", "racecheck")]
+    assert seen == results and all(r.clean for r in results)
+    assert f"--kernel-name kns=fwd_b --report-api-errors no {sys.executable} -m attngen.cli fuzz --replay" in \
+        results[-1].output_tail
+    assert "caching off: 1" in results[0].output_tail
+
+
+def test_sanitize_reports_errors_failing_replays_and_timeouts(fake_sanitizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_ERRORS", "4")
+    monkeypatch.setenv("FAKE_EXIT", "1")
+    memcheck, racecheck = sanitize([("fwd_a", tmp_path)])
+    assert memcheck.finding == "4 errors, the replay exited with status 1"
+    assert racecheck.finding == "the replay exited with status 1"
+    monkeypatch.setenv("FAKE_SLEEP", "5")
+    (slow,) = sanitize([("fwd_a", tmp_path)], tools=("memcheck",), timeout=0.5)
+    assert slow.returncode is None and slow.finding == "timed out"
+
+
+def test_sanitize_without_compute_sanitizer_says_where_it_looked(monkeypatch):
+    monkeypatch.setattr(sanitizer, "find_compute_sanitizer", lambda: None)
+    with pytest.raises(FileNotFoundError, match="compute-sanitizer not found: put it on PATH"):
+        sanitize([("k", Path("d"))])

@@ -1,0 +1,86 @@
+"""The fuzzer on a GPU (marker `gpu`): the real kernels pass a short fuzz; a deliberately broken kernel
+(attngen/faults.py) is caught, shrunk to the minimal case and written as a reproducer that replays;
+compute-sanitizer finds nothing in two kernels."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from attngen.cli import main
+from attngen.fuzz.case import FuzzCase
+from attngen.fuzz.check import run_case
+from attngen.fuzz.reproducer import load_reproducer, replay, reproducer_dir, write_reproducer
+from attngen.fuzz.runners import KernelRunner
+from attngen.fuzz.sanitizer import find_compute_sanitizer, sanitize
+from attngen.fuzz.search import search
+from attngen.fuzz.strategies import BUILTIN_SPECS, Limits
+
+pytestmark = pytest.mark.gpu
+
+FAULT = "drop_last_partial_kv_tile"
+# Shorter than the tool's defaults, so the test takes seconds; the regimes are the same.
+LIMITS = Limits(max_seq=1100, max_long_seq_k=4500, max_score_elements=2**24, max_input_elements=2**23)
+
+
+def test_real_kernels_pass_a_short_fuzz():
+    runner = KernelRunner()
+    outcome = search(BUILTIN_SPECS, runner, examples=300, seed=0, limits=LIMITS)
+    assert outcome.failure is None, outcome.failure.describe()
+    assert outcome.cases == 300 and set(outcome.kernels) == {runner.kernel_name(s) for s in BUILTIN_SPECS}
+
+
+def test_fault_changes_exactly_the_cases_with_a_partial_last_key_tile():
+    spec = BUILTIN_SPECS[0]  # no mask: every query block's keys end at Sk
+    runner = KernelRunner(fault=FAULT)
+    block_n = spec.resolved(runner.arch).block_n
+    assert run_case(FuzzCase(spec, batch=1, seq_q=300, seq_k=2 * block_n, heads_kv=2), runner).ok
+    result = run_case(FuzzCase(spec, batch=1, seq_q=300, seq_k=2 * block_n + 1, heads_kv=2), runner)
+    assert result.kind in ("output", "lse"), result.describe()
+
+
+def test_broken_kernel_is_caught_shrunk_and_replayable(tmp_path):
+    runner = KernelRunner(fault=FAULT)
+    outcome = search(BUILTIN_SPECS, runner, examples=200, seed=0, limits=LIMITS)
+    assert outcome.failure is not None and outcome.shrunk, "the fuzzer missed a kernel that drops key tiles"
+    failure = outcome.failure
+    assert failure.kind in ("output", "lse") and failure.kernel.endswith(f"_fault_{FAULT}")
+    # The smallest case there is: one query against one key, in the first spec's only (partial) key tile.
+    minimal = FuzzCase(BUILTIN_SPECS[0], batch=1, seq_q=1, seq_k=1, heads_kv=1)
+    assert failure.case == minimal, failure.describe()
+
+    path = write_reproducer(reproducer_dir(tmp_path, failure.case, failure.kernel), failure.case,
+                            kernel=failure.kernel, arch=runner.arch, fault=FAULT, failure=failure)
+    repro = load_reproducer(path)
+    again, warnings = replay(repro, runner)
+    assert again.kind == failure.kind and warnings == []
+    assert replay(repro, KernelRunner())[0].ok  # the correct kernel passes the same case
+
+
+def test_cli_reports_the_broken_kernel_and_its_replay_fails(tmp_path):
+    result = CliRunner().invoke(main, ["fuzz", "--examples", "50", "--seed", "0", "--max-seq-len", "600", "--out",
+                                       str(tmp_path), "--fault", FAULT])
+    assert result.exit_code == 1, result.output
+    path = re.search(r"replay it with:\n  attngen fuzz --replay (\S+)", result.output).group(1)
+    replayed = CliRunner().invoke(main, ["fuzz", "--replay", path])
+    assert replayed.exit_code == 1 and replayed.output.startswith("FAIL"), replayed.output
+    clean = CliRunner().invoke(main, ["fuzz", "--examples", "50", "--seed", "0", "--max-seq-len", "600", "--out",
+                                      str(tmp_path / "clean")])
+    assert clean.exit_code == 0, clean.output
+
+
+@pytest.mark.skipif(find_compute_sanitizer() is None, reason="compute-sanitizer not found")
+def test_sanitizer_is_clean_on_two_kernels(tmp_path):
+    runner = KernelRunner()
+    samples = []
+    for spec in BUILTIN_SPECS[:2]:  # one without a mask, one causal with GQA; partial tiles, padded strides
+        case = FuzzCase(spec, batch=2, seq_q=77, seq_k=45, heads_kv=2, layout="padded", data_seed=1)
+        kernel = runner.kernel_name(spec)
+        samples.append((kernel, write_reproducer(reproducer_dir(tmp_path, case, kernel), case, kernel=kernel,
+                                                 arch=runner.arch)))
+    results = sanitize(samples, timeout=600)
+    assert len(results) == 4
+    for r in results:
+        assert r.clean, f"{r.tool} {r.kernel}: {r.finding}\n{r.report.excerpt or r.output_tail}"
