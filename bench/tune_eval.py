@@ -8,7 +8,7 @@ fraction of the space the tuner timed (bar: <= 30%) and the Spearman rank correl
 predicted vs measured times. Everything, with every config's resources, prediction and
 time, goes to OUT/tune_eval.json (and the tuned entries to OUT/tuning-export.json).
 
-Usage (repo root, GPU machine): python bench/tune_eval.py --out DIR [--budget 90] [--jobs 16]
+Usage (repo root, GPU machine): python bench/tune_eval.py --out DIR [--set heldout|extra] [--budget 90] [--jobs 16]
 """
 
 from __future__ import annotations
@@ -27,11 +27,20 @@ from attngen.tune.model import Shape
 
 # Held out: the model's constants come from docs/perf-notes.md, not from these shapes.
 # Batch x heads follow the FlashAttention papers' setup (16k tokens, hidden 2048).
-CASES = [
-    ("d64 causal s2048", AttentionSpec(head_dim=64, dtype="bf16", mask="causal"), Shape(8, 2048, 2048, 32)),
-    ("d128 none s4096", AttentionSpec(head_dim=128, dtype="bf16", mask="none"), Shape(4, 4096, 4096, 16)),
-    ("d128 causal s8192", AttentionSpec(head_dim=128, dtype="bf16", mask="causal"), Shape(2, 8192, 8192, 16)),
-]
+CASE_SETS = {
+    "heldout": [
+        ("d64 causal s2048", AttentionSpec(head_dim=64, dtype="bf16", mask="causal"), Shape(8, 2048, 2048, 32)),
+        ("d128 none s4096", AttentionSpec(head_dim=128, dtype="bf16", mask="none"), Shape(4, 4096, 4096, 16)),
+        ("d128 causal s8192", AttentionSpec(head_dim=128, dtype="bf16", mask="causal"), Shape(2, 8192, 8192, 16)),
+    ],
+    # Shapes and specs no perf-notes measurement has touched: GQA, fp16, short and long rows.
+    "extra": [
+        ("d64 none s1024 fp16", AttentionSpec(head_dim=64, dtype="fp16", mask="none"), Shape(16, 1024, 1024, 32)),
+        ("d128 causal gqa4 s2048", AttentionSpec(head_dim=128, dtype="bf16", mask="causal", gqa_ratio=4),
+         Shape(8, 2048, 2048, 32)),
+        ("d128 none s16384", AttentionSpec(head_dim=128, dtype="bf16", mask="none"), Shape(1, 16384, 16384, 16)),
+    ],
+}
 RATIO_BAR = 1.03
 FRACTION_BAR = 0.30
 HEAD_TO_HEAD_ROUNDS = 3
@@ -128,7 +137,7 @@ def run_case(index: int, args) -> dict:
     """One case in this process; its result is also written to OUT/case<index>.json."""
     from attngen.tune.db import TuningDB
 
-    name, spec, shape = CASES[index]
+    name, spec, shape = CASE_SETS[args.set][index]
     result = evaluate(name, spec, shape, args, TuningDB(args.out / "tuning.sqlite3"))
     (args.out / f"case{index}.json").write_text(json.dumps(result, indent=1))
     return result
@@ -141,6 +150,7 @@ def main() -> None:
     ap.add_argument("--max-fraction", type=float, default=FRACTION_BAR)
     ap.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: CPUs)")
     ap.add_argument("--case", type=int, default=None, help="run only this case, in this process")
+    ap.add_argument("--set", choices=sorted(CASE_SETS), default="heldout", help="which shapes (default: heldout)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.case is not None:
@@ -150,8 +160,9 @@ def main() -> None:
     # only its own case, and the log names it.
     start = time.monotonic()
     results = []
-    for index, (name, _, _) in enumerate(CASES):
-        cmd = [sys.executable, __file__, "--case", str(index), "--out", str(args.out), "--budget", str(args.budget),
+    for index, (name, _, _) in enumerate(CASE_SETS[args.set]):
+        cmd = [sys.executable, __file__, "--case", str(index), "--set", args.set, "--out", str(args.out),
+               "--budget", str(args.budget),
                "--max-fraction", str(args.max_fraction)] + (["--jobs", str(args.jobs)] if args.jobs else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         (args.out / f"case{index}.log").write_text(proc.stdout + proc.stderr)
