@@ -20,3 +20,16 @@ class CompileError(RuntimeError):
         super().__init__(f"{message}{where}{detail}")
         self.log = log
         self.source_path = source_path
+
+
+# Errors after which the CUDA context is unusable: every later launch in the process fails too.
+STICKY_CUDA_ERRORS = (
+    "illegal memory access", "misaligned address", "unspecified launch failure", "illegal instruction",
+    "device-side assert", "hardware stack error", "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED",
+    "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+)
+
+
+def is_sticky_cuda_error(message: str) -> bool:
+    """Whether an error message (torch or CuPy spelling) reports a context-breaking CUDA error."""
+    return any(pattern.lower() in message.lower() for pattern in STICKY_CUDA_ERRORS)

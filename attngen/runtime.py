@@ -24,6 +24,11 @@ _DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16"}
 MAX_GRID_YZ = 65535
 
 
+def arch_family(target: str) -> str:
+    """The spec arch a compile target runs as: sm_86 -> "sm_80", sm_90a or sm_100 -> "sm_90"."""
+    return "sm_90" if int(target.removeprefix("sm_").rstrip("a")) >= 90 else "sm_80"
+
+
 def _device_arch(device_index: int) -> tuple[str, str]:
     """(spec arch family, exact compile target) of a CUDA device, e.g. ("sm_90", "sm_90")."""
     import cupy
@@ -32,7 +37,8 @@ def _device_arch(device_index: int) -> tuple[str, str]:
     if cc < 80:
         raise ValueError(f"device cuda:{device_index} has compute capability {cc // 10}.{cc % 10}; "
                          "attngen kernels need sm_80 or newer (Ampere, Ada, Hopper)")
-    return ("sm_90" if cc >= 90 else "sm_80"), f"sm_{cc}"
+    target = f"sm_{cc}"
+    return arch_family(target), target
 
 
 class Kernel:

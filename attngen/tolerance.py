@@ -5,13 +5,14 @@ Derivation (u = unit roundoff of the dtype: bf16 2^-8, fp16 2^-11; u32 = 2^-24, 
 - P is rounded to the dtype before the P.V product; those errors sum to at most
   u * sum_j p_j |v_j| / l <= u * max|v|;
 - a score is an fp32 sum of exact products (fp16/bf16 products fit in fp32); its rounding
-  error is about u32 times the accumulated magnitude: ds = u32 * scale * sum_i |q_i k_i|
-  (one rounding's worth, the random-walk estimate; the worst case is D times that). Scores
-  off by at most ds scale each p_j, and the row sum, by at most e^ds, which moves the output
-  by at most (e^(2 ds) - 1) * max|v|, with ds the row's largest. Negligible at unit logits,
-  it is the dominant term when scores approach 1e4;
+  error is estimated as u32 times the accumulated magnitude: ds = u32 * scale * sum_i |q_i k_i|
+  (one rounding's worth: the random-walk estimate, not a bound; the worst case is D times
+  that). Scores off by ds scale each p_j, and the row sum, by up to e^ds, which moves the
+  output by up to (e^(2 ds) - 1) * max|v|, with ds the row's largest. Negligible at unit
+  logits, it is the dominant term when scores approach 1e4;
 - row sums and O accumulate in fp32 and exp2/log2 are approximate to ~2^-22: negligible.
-So |out - ref| <= u * (|ref| + max|v|) + (e^(2 ds) - 1) * max|v|; we allow twice each term.
+So |out - ref| <= u * (|ref| + max|v|) + (e^(2 ds) - 1) * max|v|; we allow SAFETY = 2 times
+u and 2 times ds: 2u * (|ref| + max|v|) + (e^(4 ds) - 1) * max|v|.
 LSE is fp32 throughout: its error is the score error (bounded here by the cruder
 eps32 * scale * D * max|q| * max|k| >= 2 ds, which also covers the fp32 row sum over long
 rows) plus the rounding of the log and of the result, eps32 * (|lse| + 1); we allow 4x.

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from attngen import reference, tolerance
+from attngen.errors import is_sticky_cuda_error
 from attngen.fuzz import check
 from attngen.fuzz.case import LAYOUTS, FuzzCase
 from attngen.fuzz.check import FAILURE_KINDS, run_case
@@ -109,10 +110,10 @@ def test_lse_errors_beyond_the_bound_fail():
 
 
 def test_sticky_cuda_errors_are_recognised_in_torch_and_cupy_spellings():
-    assert check.is_sticky_cuda_error("CUDA error: an illegal memory access was encountered")
-    assert check.is_sticky_cuda_error("CUDADriverError: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access")
-    assert check.is_sticky_cuda_error("CUDA error: misaligned address")
-    assert not check.is_sticky_cuda_error("CUDA error: out of memory")
+    assert is_sticky_cuda_error("CUDA error: an illegal memory access was encountered")
+    assert is_sticky_cuda_error("CUDADriverError: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access")
+    assert is_sticky_cuda_error("CUDA error: misaligned address")
+    assert not is_sticky_cuda_error("CUDA error: out of memory")
 
 
 def test_gradient_checks_are_not_applicable_yet_and_fail_loudly_once_they_are(monkeypatch):

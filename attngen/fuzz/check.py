@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from attngen import reference, tolerance
+from attngen.errors import is_sticky_cuda_error
 from attngen.fuzz.case import FuzzCase, make_inputs, make_outputs
 from attngen.fuzz.runners import Runner
 
@@ -25,11 +26,6 @@ FAILURE_KINDS = {
 }
 
 # Errors after which every later CUDA call in the process fails too (torch and CuPy spellings).
-STICKY_CUDA_ERRORS = (
-    "illegal memory access", "misaligned address", "unspecified launch failure", "illegal instruction",
-    "device-side assert", "hardware stack error", "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED",
-    "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_ILLEGAL_INSTRUCTION",
-)
 
 
 @dataclass(frozen=True)
@@ -78,10 +74,6 @@ def run_case(case: FuzzCase, runner: Runner) -> CaseResult:
     if bad is not None:
         return result("lse", str(bad))
     return result()
-
-
-def is_sticky_cuda_error(message: str) -> bool:
-    return any(pattern.lower() in message.lower() for pattern in STICKY_CUDA_ERRORS)
 
 
 def has_backward(spec) -> bool:
