@@ -203,7 +203,8 @@ def check(specs: tuple[Path, ...], archs: tuple[str, ...], jobs: int | None, con
 @click.option("--batch-heads", "batch_heads", multiple=True, type=click.IntRange(min=1),
               help="Batch x query heads to tune for; repeat for several [default: 16k tokens, hidden 2048].")
 @click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
-              help="Seconds for the whole search (the first config of each shape is always timed).")
+              help="Seconds for the whole run: building, timing and verifying. At least one config per shape is "
+                   "always timed, so a small budget can run over.")
 @click.option("--max-fraction", type=click.FloatRange(min=0, max=1, min_open=True), default=0.3, show_default=True,
               help="Most of the space to time per shape.")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -212,15 +213,17 @@ def check(specs: tuple[Path, ...], archs: tuple[str, ...], jobs: int | None, con
               help="Afterwards, write every entry of the database to this JSON file.")
 @click.option("--import", "import_", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
               help="First, merge a file written by --export into the database.")
+@click.option("--store-narrowed", is_flag=True,
+              help="Store the winner of a SPEC that pins tile fields (a narrowed search) for every untiled call.")
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows in the results table.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="Parallel compiles [default: CPUs].")
 def tune(specs: tuple[Path, ...], seqlens: tuple[int, ...], batch_heads: tuple[int, ...], budget: float,
-         max_fraction: float, db_path: Path | None, export: Path | None, import_: Path | None, top: int,
-         jobs: int | None) -> None:
+         max_fraction: float, db_path: Path | None, export: Path | None, import_: Path | None, store_narrowed: bool,
+         top: int, jobs: int | None) -> None:
     """Find the fastest tile config of each SPEC on this GPU and store it in the tuning database."""
     from attngen.tune.commands import run_tune
 
-    run_tune(specs, seqlens, batch_heads, budget, max_fraction, db_path, export, import_, top, jobs)
+    run_tune(specs, seqlens, batch_heads, budget, max_fraction, db_path, export, import_, top, jobs, store_narrowed)
 
 
 @main.command()

@@ -100,13 +100,13 @@ def evaluate(name, spec, shape, args, db) -> dict:
     order = sorted((r for r in ranked if r.pruned.candidate.launchable), key=lambda r: r.label)
     full, _ = time_candidates(order, shape, target, math.inf, args.jobs)
     t_full = time.monotonic() - t0
-    best = verified_winner(full)  # a fast wrong kernel is no yardstick
+    best = verified_winner(full, shape)  # a fast wrong kernel is no yardstick
     if best is None:
         raise SystemExit(f"{name}: every config failed; first errors: {[t.error for t in full[:3]]}")
     ok = [t for t in full if t.ok]
     # (b) the tuner, as `attngen tune` runs it.
     t1 = time.monotonic()
-    result = tune(spec, [shape], budget_s=args.budget, max_fraction=args.max_fraction, db=db, jobs=args.jobs)[0]
+    result = tune(spec, [shape], deadline=t1 + args.budget, max_fraction=args.max_fraction, db=db, jobs=args.jobs)[0]
     t_tune = time.monotonic() - t1
     tuned = result.winner
     # (c) the two winners head to head.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import replace
 
@@ -12,7 +13,7 @@ from attngen import reference, tolerance
 from attngen.errors import is_sticky_cuda_error
 from attngen.fuzz import check
 from attngen.fuzz.case import LAYOUTS, FuzzCase
-from attngen.fuzz.check import FAILURE_KINDS, run_case
+from attngen.fuzz.check import FAILURE_KINDS, HARNESS, run_case
 from attngen.fuzz.runners import ReferenceRunner
 from attngen.spec import AttentionSpec
 
@@ -116,8 +117,77 @@ def test_sticky_cuda_errors_are_recognised_in_torch_and_cupy_spellings():
     assert not is_sticky_cuda_error("CUDA error: out of memory")
 
 
-def test_gradient_checks_are_not_applicable_yet_and_fail_loudly_once_they_are(monkeypatch):
-    assert not check.has_backward(CAUSAL)
-    monkeypatch.setattr(check, "has_backward", lambda spec: True)
-    with pytest.raises(NotImplementedError, match="add gradient checks"):
-        run_case(MASKED_ROWS, ReferenceRunner())
+def test_no_spec_has_a_backward_pass_so_gradients_are_not_checked():
+    # The fuzzer checks the forward pass only, and `attngen fuzz` says "gradients: not checked".
+    backward = [f.name for f in dataclasses.fields(AttentionSpec)
+                if any(word in f.name.lower() for word in ("backward", "bwd", "grad"))]
+    assert not backward, (f"AttentionSpec has backward-related fields {backward}: add gradient checks to "
+                          "attngen/fuzz/check.py, then update the 'gradients: not checked' line in attngen/fuzz/report.py")
+
+
+class OverreadsKeyTiles(ReferenceRunner):
+    """Emulates a kernel that loads whole block_n tiles of K and V without clamping to Sk, and gives the
+    keys past Sk zero probability: p = 0 times a V value read past the end. Harmless on finite data;
+    0 * NaN is NaN."""
+
+    def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None):
+        block_n = spec.resolved(self.arch).block_n
+        B, Sk, H, D = k.shape
+        rows = -(-Sk // block_n) * block_n
+        k_tiles, v_tiles = (torch.as_strided(t, (B, rows, H, D), t.stride(), t.storage_offset()) for t in (k, v))
+        scale = spec.effective_scale if softmax_scale is None else softmax_scale
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k_tiles.float()) * scale
+        scores[..., Sk:] = -math.inf
+        probs = torch.softmax(scores, dim=-1)
+        out.copy_(torch.einsum("bhqk,bkhd->bqhd", probs, v_tiles.float()))
+        lse.copy_(torch.logsumexp(scores, dim=-1))
+
+
+@pytest.mark.parametrize("layout, batch, heads_kv", [("contiguous", 1, 2), ("transposed", 1, 2), ("padded", 2, 2)])
+def test_a_key_tile_read_past_the_end_pulls_nan_into_the_output(layout, batch, heads_kv):
+    spec = AttentionSpec(head_dim=64, dtype="fp16", block_m=16, block_n=64, num_warps=1, num_stages=2)
+    case = FuzzCase(spec, batch=batch, seq_q=3, seq_k=65, heads_kv=heads_kv, layout=layout)  # 63 rows past Sk
+    assert run_case(replace(case, seq_k=64), OverreadsKeyTiles()).ok  # a whole tile: nothing read past the end
+    result = run_case(case, OverreadsKeyTiles())
+    assert result.kind == "output" and "output has NaN/Inf" in result.detail, result.describe()
+
+
+OUT_OF_MEMORY = "CUDA out of memory. Tried to allocate 12.00 GiB"
+
+
+def _out_of_memory(*args, **kwargs):
+    raise RuntimeError(OUT_OF_MEMORY)
+
+
+def _float64_reference_out_of_memory(monkeypatch):
+    """The harness's float64 reference runs out of memory (the reference runner's float32 one does not)."""
+    attention_for_spec = reference.attention_for_spec
+
+    def reference_oom(*args, compute_dtype=torch.float64, **kwargs):
+        if compute_dtype == torch.float64:
+            raise RuntimeError(OUT_OF_MEMORY)
+        return attention_for_spec(*args, compute_dtype=compute_dtype, **kwargs)
+
+    monkeypatch.setattr(reference, "attention_for_spec", reference_oom)
+
+
+@pytest.mark.parametrize("stage, target", [("checking the result", None),
+                                           ("making the inputs and outputs", "attngen.fuzz.check.make_inputs"),
+                                           ("checking the result", "attngen.fuzz.case.Poisoned.written_outside")])
+def test_an_error_in_the_harness_is_a_harness_error_not_a_kernel_failure(monkeypatch, stage, target):
+    if target is None:
+        _float64_reference_out_of_memory(monkeypatch)
+    else:
+        monkeypatch.setattr(target, _out_of_memory)
+    result = run_case(MASKED_ROWS, ReferenceRunner())
+    assert result.kind == HARNESS and result.harness_error and not result.ok and HARNESS not in FAILURE_KINDS
+    assert result.detail == f"{stage}: RuntimeError: {OUT_OF_MEMORY}"
+    assert "harness error (not a kernel failure)" in result.describe()
+
+
+def test_a_sticky_error_surfacing_in_the_harness_is_the_kernels(monkeypatch):
+    def sticky(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr("attngen.fuzz.case.Poisoned.written_outside", sticky)
+    assert run_case(MASKED_ROWS, ReferenceRunner()).kind == "device"

@@ -17,6 +17,7 @@ from attngen.fuzz import command
 from attngen.fuzz.reproducer import CASE_FILE
 from attngen.fuzz.runners import ReferenceRunner
 from attngen.fuzz.strategies import DEFAULT_LIMITS
+from attngen.plan import make_plan
 from attngen.spec import AttentionSpec
 
 SPEC = AttentionSpec(head_dim=64, dtype="fp16", block_m=32, block_n=16, num_warps=2, num_stages=2)
@@ -39,7 +40,9 @@ def runners(monkeypatch):
 
     def make_runner(fault):
         chosen["faults"].append(fault)
-        return chosen["runner"]()
+        runner = chosen["runner"]()
+        runner.fault = fault
+        return runner
 
     monkeypatch.setattr(command, "make_runner", make_runner)
     return chosen
@@ -101,17 +104,31 @@ def test_builtin_and_random_specs(runners):
 
 
 FAKE_SANITIZER = """#!/usr/bin/env bash
+# Logs its arguments, prints the replay's launched-kernel line (the kernel its filter names, or
+# FAKE_LAUNCHED) and the tool's summary, and exits like the replay would (FAKE_EXIT).
+echo "$*" >> "$(dirname "$0")/sanitizer-calls.log"
+echo "launched kernel ${FAKE_LAUNCHED:-${4#kns=}}"
 if [ "$2" = memcheck ]; then echo "========= ERROR SUMMARY: ${FAKE_ERRORS:-0} errors"; fi
 if [ "$2" = racecheck ]; then echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"; fi
+exit "${FAKE_EXIT:-0}"
 """
 
 
-@pytest.mark.parametrize("errors, exit_code", [(0, 0), (3, 1)])
-def test_sanitize_replays_one_case_per_kernel(runners, spec_file, tmp_path, monkeypatch, errors, exit_code):
-    fake = tmp_path / "compute-sanitizer"
+@pytest.fixture
+def fake_sanitizer(tmp_path, monkeypatch):
+    """A stand-in compute-sanitizer on PATH; returns the log of the command lines it was run with."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "compute-sanitizer"
     fake.write_text(FAKE_SANITIZER)
     fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return bin_dir / "sanitizer-calls.log"
+
+
+@pytest.mark.parametrize("errors, exit_code", [(0, 0), (3, 1)])
+def test_sanitize_replays_one_case_per_kernel(runners, spec_file, tmp_path, monkeypatch, fake_sanitizer, errors,
+                                              exit_code):
     monkeypatch.setenv("FAKE_ERRORS", str(errors))
     result = fuzz(spec_file, "--examples", 10, "--seed", 2, *SMALL, "--out", tmp_path / "out", "--sanitize")
     assert result.exit_code == exit_code, result.output
@@ -138,11 +155,131 @@ def test_bad_arguments_are_named(args, match):
     assert result.exit_code == 2 and re.search(match, result.output), result.output
 
 
-def test_missing_spec_and_reproducer_files_are_errors(runners, tmp_path):
+def test_missing_spec_and_reproducer_files_are_usage_errors(runners, tmp_path):
     result = fuzz(tmp_path / "nope.yaml")
-    assert result.exit_code == 1 and "nope.yaml: cannot read spec file" in result.output
+    assert result.exit_code == 2 and "Invalid value for SPEC:" in result.output
+    assert "nope.yaml: cannot read spec file" in result.output
     result = fuzz("--replay", tmp_path)
-    assert result.exit_code == 1 and f"--replay {tmp_path}: no case.json there" in result.output
+    assert result.exit_code == 2, result.output
+    assert (f"Invalid value for '--replay': {tmp_path}: no case.json there; expected a directory `attngen fuzz` wrote, "
+            "with spec.yaml and case.json in it") in " ".join(result.output.split())
+    assert runners["faults"] == [None]  # the replay made no runner: nothing ran
+
+
+def test_a_bad_replay_path_under_sanitize_is_a_usage_error_not_a_kernel_finding(runners, tmp_path, fake_sanitizer):
+    result = fuzz("--replay", tmp_path / "missing", "--sanitize")
+    assert result.exit_code == 2 and "no case.json there" in result.output
+    assert not fake_sanitizer.exists()  # no sanitizer run to misreport
+
+
+def _reproducer(runners, spec_file, tmp_path) -> Path:
+    """A reproducer of a failing case (DropsLastKey), through the CLI."""
+    runners["runner"] = DropsLastKey
+    result = fuzz(spec_file, "--examples", 50, "--seed", 1, *SMALL, "--out", tmp_path / "out")
+    assert result.exit_code == 1, result.output
+    (path,) = (tmp_path / "out" / "failures").iterdir()
+    return path
+
+
+class NamesTheFault(ReferenceRunner):
+    """The reference, with kernel names that spell the runner's fault (like KernelRunner's), which
+    reports each kernel it "launches"."""
+
+    def __init__(self):
+        self.fault, self.launched = None, []
+
+    def kernel_name(self, spec):
+        return make_plan(spec, self.arch, fault=self.fault).name
+
+    def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None):
+        super().__call__(spec, q, k, v, out=out, lse=lse, softmax_scale=softmax_scale)
+        self.launched.append(self.kernel_name(spec))
+
+
+FAULT = "drop_last_partial_kv_tile"
+
+
+def test_replay_sanitize_instruments_the_kernel_this_gpu_runs_and_passes_the_fault_on(runners, spec_file, tmp_path,
+                                                                                      fake_sanitizer):
+    path = _reproducer(runners, spec_file, tmp_path)
+    record = json.loads((path / CASE_FILE).read_text())
+    record["kernel"] = "fwd_compiled_on_another_gpu"
+    (path / CASE_FILE).write_text(json.dumps(record))
+    runners["runner"] = NamesTheFault
+    result = fuzz("--replay", path, "--sanitize", "--fault", FAULT)
+    faulty = make_plan(SPEC, "sm_90", fault=FAULT).name
+    assert result.exit_code == 0, result.output
+    assert "recorded for kernel fwd_compiled_on_another_gpu; this GPU runs " + faulty in result.output
+    assert f"launched kernel {faulty}" in result.output  # what a replay under the sanitizer prints
+    calls = fake_sanitizer.read_text().splitlines()
+    assert len(calls) == 2 and all(f"kns={faulty} " in c and c.endswith(f"--replay {path} --fault {FAULT}")
+                                   for c in calls)
+
+
+def test_sanitize_that_instruments_nothing_is_not_clean(runners, spec_file, tmp_path, fake_sanitizer, monkeypatch):
+    path = _reproducer(runners, spec_file, tmp_path)
+    runners["runner"] = ReferenceRunner
+    monkeypatch.setenv("FAKE_LAUNCHED", "fwd_some_other_kernel")
+    result = fuzz("--replay", path, "--sanitize")
+    assert result.exit_code == 2, result.output  # a harness error: nothing was checked
+    assert f"{SPEC.name} never launched, so nothing was instrumented (the replay launched fwd_some_other_kernel)" \
+        in result.output
+    assert "memcheck harness error (the kernel was not checked)" in result.output
+    assert "sanitizer: 0/2 runs clean over 1 kernels" in result.output
+
+
+def test_sanitize_runs_whose_replay_cannot_run_are_harness_errors(runners, spec_file, tmp_path, fake_sanitizer,
+                                                                  monkeypatch):
+    path = _reproducer(runners, spec_file, tmp_path)
+    runners["runner"] = ReferenceRunner
+    monkeypatch.setenv("FAKE_EXIT", "2")
+    result = fuzz("--replay", path, "--sanitize")
+    assert result.exit_code == 2 and "the replay could not run (exit status 2" in result.output
+    monkeypatch.setenv("FAKE_EXIT", "1")  # the replay still fails under the sanitizer: a kernel finding
+    assert fuzz("--replay", path, "--sanitize").exit_code == 1
+
+
+def test_sanitize_without_compute_sanitizer_fails_before_fuzzing(runners, spec_file, monkeypatch):
+    monkeypatch.setattr("attngen.fuzz.sanitizer.find_compute_sanitizer", lambda: None)
+    result = fuzz(spec_file, "--examples", 5, "--sanitize")
+    assert result.exit_code == 2 and "--sanitize needs compute-sanitizer" in result.output
+    assert runners["faults"] == []
+
+
+def _float64_reference_out_of_memory_above(monkeypatch, seq_k):
+    from attngen import reference
+
+    attention_for_spec = reference.attention_for_spec
+
+    def reference_oom(q, k, v, spec, *args, compute_dtype=torch.float64, **kwargs):
+        if compute_dtype == torch.float64 and k.shape[1] > seq_k:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 40.00 GiB")
+        return attention_for_spec(q, k, v, spec, *args, compute_dtype=compute_dtype, **kwargs)
+
+    monkeypatch.setattr(reference, "attention_for_spec", reference_oom)
+
+
+def test_a_harness_error_stops_the_run_with_advice_and_exit_2(runners, spec_file, tmp_path, monkeypatch):
+    _float64_reference_out_of_memory_above(monkeypatch, 30)
+    result = fuzz(spec_file, "--examples", 200, "--seed", 1, *SMALL, "--out", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert "error: the harness itself failed" in result.output and "CUDA out of memory" in result.output
+    assert "stopped: harness error" in result.output and "If it ran out of memory, lower --max-seq-len (this run: 48)" \
+        in result.output
+    assert "FAILED" not in result.output and not (tmp_path / "out" / "failures").exists()
+
+
+def test_a_replay_whose_harness_fails_exits_2(runners, spec_file, tmp_path, monkeypatch):
+    path = _reproducer(runners, spec_file, tmp_path)
+    _float64_reference_out_of_memory_above(monkeypatch, 0)
+    result = fuzz("--replay", path)
+    assert result.exit_code == 2 and result.output.startswith(f"ERROR {path}: ") and "harness error" in result.output
+
+
+def test_help_states_the_exit_statuses():
+    text = " ".join(fuzz("--help").output.split())
+    assert "Exit status: 0 all passed" in text and "1 a kernel failure found" in text
+    assert "2 a usage or harness error" in text and "130 interrupted" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

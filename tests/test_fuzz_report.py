@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from attngen import progress
 from attngen.fuzz import report
 from attngen.fuzz.case import FuzzCase
 from attngen.fuzz.check import CaseResult
@@ -20,7 +21,7 @@ def _outcome() -> SearchOutcome:
 
 
 def test_plain_summary_without_rich(monkeypatch, capsys):
-    monkeypatch.setattr(report, "_rich_available", lambda: False)
+    monkeypatch.setattr(progress, "rich_available", lambda: False)
     report.print_summary(_outcome())
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "attngen fuzz: cases per kernel"
@@ -37,5 +38,5 @@ def test_plain_progress_reports_the_first_failure_at_once(capsys):
         assert capsys.readouterr().out == ""  # passing cases print at most every PLAIN_INTERVAL_S
         outcome.kernels["fwd_a"].failures = 1
         progress.update(CaseResult(CASE, "fwd_a", 0.1, "output", "bad"), outcome, shrinking=False)
-    assert capsys.readouterr().out.startswith("[12/40] 1 failures, ")
+    assert capsys.readouterr().out.startswith("fuzz [12/40] 1 failures, ")
     assert progress.status(outcome, shrinking=True) == "failure found; shrinking it (step 0)"

@@ -8,20 +8,23 @@ from dataclasses import replace
 import pytest
 
 import attngen
-from attngen.fuzz.case import FuzzCase, input_digest
+from attngen.fuzz.case import GUARD_ROWS, FuzzCase, input_digest
 from attngen.fuzz.check import run_case
 from attngen.fuzz.reproducer import CASE_FILE, SPEC_FILE, load_reproducer, replay, reproducer_dir, write_reproducer
-from attngen.fuzz.runners import ReferenceRunner
+from attngen.fuzz.runners import Machine, ReferenceRunner
 from attngen.spec import AttentionSpec
 
 SPEC = AttentionSpec(head_dim=64, dtype="fp16", mask="causal", gqa_ratio=3, block_m=32, block_n=16, num_warps=2,
                      num_stages=2)
 CASE = FuzzCase(SPEC, batch=2, seq_q=19, seq_k=7, heads_kv=2, layout="padded", logit_scale=30.0,
                 softmax_scale=0.5, data_seed=12345)
+A10 = Machine("sm_80", "sm_86", "NVIDIA A10", "nvrtc-12.4")
 
 
 class WrongOnLongKeys(ReferenceRunner):
     """Zeroes the output whenever there are more than 5 keys."""
+
+    machine = A10
 
     def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None):
         super().__call__(spec, q, k, v, out=out, lse=lse, softmax_scale=softmax_scale)
@@ -34,7 +37,7 @@ def written(tmp_path):
     failure = run_case(CASE, WrongOnLongKeys())
     assert failure.kind == "output"
     path = write_reproducer(reproducer_dir(tmp_path, CASE, failure.kernel), CASE, kernel=failure.kernel,
-                            arch="sm_90", failure=failure)
+                            machine=A10, failure=failure)
     return path, failure
 
 
@@ -44,14 +47,17 @@ def test_reproducer_records_the_case_and_loads_back_to_it(written):
     assert attngen.load_spec(path / SPEC_FILE) == SPEC
     record = json.loads((path / CASE_FILE).read_text())
     assert record["shape"]["q"] == [2, 19, 6, 64] and record["shape"]["k"] == [2, 7, 2, 64]
-    assert record["layout"]["name"] == "padded" and record["layout"]["strides"]["q"] == [20 * 6 * 72, 6 * 72, 72, 1]
+    assert record["layout"]["name"] == "padded"
+    assert record["layout"]["strides"]["q"] == [(19 + GUARD_ROWS) * 6 * 72, 6 * 72, 72, 1]
     assert record["dtype"] == "fp16" and record["softmax_scale"] == 0.5 and record["effective_scale"] == 0.5
     assert record["data"] == {"seed": 12345, "logit_scale": 30.0, "sha256": input_digest(CASE)}
-    assert record["kernel"] == SPEC.name and record["fault"] is None and record["arch"] == "sm_90"
+    assert record["kernel"] == SPEC.name and record["fault"] is None
+    assert record["machine"] == {"arch": "sm_80", "target": "sm_86", "gpu": "NVIDIA A10", "nvrtc": "nvrtc-12.4"}
+    assert record["attngen_version"] == attngen.__version__
     assert record["failure"] == {"kind": failure.kind, "detail": failure.detail}
     assert record["replay"] == f"attngen fuzz --replay {path}"
     repro = load_reproducer(path)
-    assert repro.case == CASE and repro.kernel == SPEC.name and repro.path == path
+    assert repro.case == CASE and repro.kernel == SPEC.name and repro.path == path and repro.machine == A10
     assert load_reproducer(path / CASE_FILE).case == CASE
 
 
@@ -86,15 +92,44 @@ def test_replay_warns_when_data_or_kernel_differ_from_the_recording(written):
     assert any("recorded for kernel fwd_other" in w for w in warnings)
 
 
+class OnAnH100(ReferenceRunner):
+    machine = Machine("sm_90", "sm_90", "NVIDIA H100 80GB HBM3", "nvrtc-12.8")
+
+
+def test_replay_warns_about_another_target_gpu_nvrtc_or_attngen_but_runs(written):
+    path, failure = written
+    _edit_record(path, lambda record: record.update(attngen_version="0.0.1"))
+    result, warnings = replay(load_reproducer(path), OnAnH100())
+    assert result.ok and warnings == [
+        "recorded with compile target sm_86; this replay has sm_90: it may not reproduce",
+        "recorded with GPU NVIDIA A10; this replay has NVIDIA H100 80GB HBM3: it may not reproduce",
+        "recorded with NVRTC nvrtc-12.4; this replay has nvrtc-12.8: it may not reproduce",
+        f"recorded with attngen 0.0.1; this is attngen {attngen.__version__}: the kernel source may differ",
+    ]
+    # sm_86 and sm_80 are one arch family but two compile targets: that is worth a warning too.
+    _, warnings = replay(load_reproducer(path), type("OnAnA100", (ReferenceRunner,), {
+        "machine": Machine("sm_80", "sm_80", "NVIDIA A10", "nvrtc-12.4")})())
+    assert [w for w in warnings if "attngen" not in w] == [
+        "recorded with compile target sm_86; this replay has sm_80: it may not reproduce"]
+
+
 @pytest.mark.parametrize(
     "change, match",
     [
         (lambda r: r["shape"].pop("seq_k"), r"case.json: missing field 'seq_k'"),
         (lambda r: r["shape"].update(batch=0), r"case.json: batch=0 is invalid; allowed: an integer >= 1"),
         (lambda r: r["layout"].update(name="nhwc"), r"case.json: layout='nhwc' is invalid"),
-        (lambda r: r.update(dtype="bf16"), r"case.json: dtype='bf16' disagrees with spec.yaml; allowed: 'fp16'"),
-        (lambda r: r["shape"].update(heads_q=4), r"case.json: shape.heads_q=4 disagrees with spec.yaml; allowed: 6"),
-        (lambda r: r.update(format=99), r"case.json: format=99 is not supported; allowed: 1"),
+        (lambda r: r.update(dtype="bf16"), r"case.json: dtype='bf16' disagrees with spec.yaml .*; allowed: 'fp16'"),
+        (lambda r: r["shape"].update(heads_q=4), r"case.json: shape.heads_q=4 disagrees with spec.yaml .*; allowed: 6"),
+        (lambda r: r.update(format=1), r"case.json: format=1 is not supported; allowed: 2 \(rerun the fuzz"),
+        (lambda r: r.pop("machine"), r"case.json: missing field 'machine'"),
+        # Derived fields someone edited: each would describe another case than the one replayed.
+        (lambda r: r["layout"]["strides"].update(q=[1, 2, 3, 4]),
+         r"case.json: layout.strides.q=\[1, 2, 3, 4\] disagrees with spec.yaml and the case's other fields \(was the "
+         rf"file edited\?\); allowed: \[{(19 + GUARD_ROWS) * 6 * 72}, 432, 72, 1\]"),
+        (lambda r: r.update(effective_scale=0.125), r"case.json: effective_scale=0.125 disagrees .*; allowed: 0.5"),
+        (lambda r: r["shape"].update(q=[2, 19, 6, 128]), r"case.json: shape.q=\[2, 19, 6, 128\] disagrees"),
+        (lambda r: r["shape"].update(k=[2, 8, 2, 64]), r"case.json: shape.k=\[2, 8, 2, 64\] disagrees"),
     ],
 )
 def test_a_damaged_case_file_is_an_error_naming_file_and_field(written, change, match):
@@ -105,8 +140,12 @@ def test_a_damaged_case_file_is_an_error_naming_file_and_field(written, change, 
 
 
 def test_missing_or_unreadable_reproducers_are_errors_naming_the_path(tmp_path):
-    with pytest.raises(ValueError, match=rf"--replay {tmp_path}: no case.json there"):
+    expected = "expected a directory `attngen fuzz` wrote, with spec.yaml and case.json in it"
+    with pytest.raises(ValueError, match=rf"{tmp_path}: no case.json there; {expected}"):
         load_reproducer(tmp_path)
     (tmp_path / CASE_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match=rf"{tmp_path}: no spec.yaml there; {expected}"):
+        load_reproducer(tmp_path)
+    (tmp_path / SPEC_FILE).write_text("head_dim: 64\n")
     with pytest.raises(ValueError, match="case.json: not valid JSON"):
         load_reproducer(tmp_path)

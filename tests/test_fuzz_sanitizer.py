@@ -13,12 +13,13 @@ import pytest
 
 from attngen.fuzz import sanitizer
 from attngen.fuzz.case import FuzzCase
-from attngen.fuzz.sanitizer import (SanitizerReport, SanitizerResult, choose_samples, parse_report, sample_key,
-                                    sanitize, sanitizer_command)
+from attngen.fuzz.sanitizer import (LAUNCHED_LINE, SanitizerReport, SanitizerResult, choose_samples, parse_report,
+                                    sample_key, sanitize, sanitizer_command)
 from attngen.spec import AttentionSpec
 
 MEMCHECK_CLEAN = """========= COMPUTE-SANITIZER
 PASS /tmp/x: fwd_none_d64 ok
+launched kernel fwd_none_d64
 ========= ERROR SUMMARY: 0 errors
 """
 MEMCHECK_ERRORS = """========= COMPUTE-SANITIZER
@@ -53,6 +54,13 @@ def test_reports_are_read(text, errors, warnings, excerpt):
     report = parse_report(text)
     assert (report.summary_found, report.errors, report.warnings) == (True, errors, warnings)
     assert excerpt in report.excerpt and "SUMMARY" not in report.excerpt and "COMPUTE-SANITIZER" not in report.excerpt
+    assert report.launched == (("fwd_none_d64",) if text is MEMCHECK_CLEAN else ())
+
+
+def test_launched_kernels_are_read_from_the_replays_own_lines():
+    text = "\n".join([LAUNCHED_LINE.format("fwd_a"), "  launched kernel fwd_indented", LAUNCHED_LINE.format("fwd_b"),
+                      LAUNCHED_LINE.format("fwd_a"), "========= ERROR SUMMARY: 0 errors"])
+    assert parse_report(text).launched == ("fwd_a", "fwd_b")
 
 
 def test_missing_summary_is_not_clean():
@@ -60,20 +68,31 @@ def test_missing_summary_is_not_clean():
     assert not report.summary_found
     result = SanitizerResult("k", "memcheck", Path("d"), (), 1, report)
     assert not result.clean and result.finding == "no memcheck summary in the output (exit status 1)"
+    assert not result.kernel_finding  # the sanitizer did not finish: a harness error
 
 
 @pytest.mark.parametrize(
-    "returncode, report, finding",
+    "returncode, report, finding, kernel_finding",
     [
-        (0, SanitizerReport(True, 0, 0, ""), ""),
-        (0, SanitizerReport(True, 3, 1, ""), "3 errors, 1 warnings"),
-        (1, SanitizerReport(True, 0, 0, ""), "the replay exited with status 1"),
-        (None, SanitizerReport(False, 0, 0, ""), "timed out"),
+        (0, SanitizerReport(True, 0, 0, "", ("k",)), "", False),
+        (0, SanitizerReport(True, 3, 1, "", ("k",)), "3 errors, 1 warnings", True),
+        (1, SanitizerReport(True, 0, 0, "", ("k",)), "the replay exited with status 1", True),
+        (None, SanitizerReport(False, 0, 0, ""), "timed out", True),
+        # A filter that matched nothing: a clean summary, but nothing was checked.
+        (0, SanitizerReport(True, 0, 0, "", ("k_other",)),
+         "k never launched, so nothing was instrumented (the replay launched k_other)", False),
+        (0, SanitizerReport(True, 0, 0, ""), "k never launched, so nothing was instrumented (the replay launched no "
+                                             "kernel)", False),
+        # The replay could not run (a bad path, no GPU): a harness error, not a kernel finding.
+        (2, SanitizerReport(True, 0, 0, ""), "the replay could not run (exit status 2: a usage or harness error, not a "
+                                             "kernel finding)", False),
     ],
 )
-def test_a_run_is_clean_only_with_a_summary_no_findings_and_a_passing_replay(returncode, report, finding):
+def test_a_run_is_clean_only_with_a_summary_no_findings_the_kernel_launched_and_a_passing_replay(
+        returncode, report, finding, kernel_finding):
     result = SanitizerResult("k", "racecheck", Path("d"), (), returncode, report)
     assert result.finding == finding and result.clean == (finding == "")
+    assert result.kernel_finding == kernel_finding
 
 
 def test_command_instruments_only_the_kernel_and_replays_the_case():
@@ -82,6 +101,9 @@ def test_command_instruments_only_the_kernel_and_replays_the_case():
                        "--report-api-errors", "no", "py", "-m", "attngen.cli", "fuzz", "--replay", "out/s/x"]
     with pytest.raises(ValueError, match="tool='initcheck' is invalid; allowed: memcheck, racecheck"):
         sanitizer_command("cs", "initcheck", "k", Path("d"))
+    # An outer --fault reaches the replay (it would otherwise run the reproducer's recorded fault).
+    command = sanitizer_command("cs", "memcheck", "fwd_x_fault_f", Path("d"), "py", fault="f")
+    assert command[-4:] == ["--replay", "d", "--fault", "f"] and "kns=fwd_x_fault_f" in command
 
 
 SPEC = AttentionSpec(head_dim=64, dtype="fp16", block_m=32, block_n=16, num_warps=2, num_stages=2)
@@ -101,9 +123,11 @@ def test_choose_samples_takes_kernels_with_a_passing_case_in_name_order():
 
 
 FAKE_SANITIZER = """#!/usr/bin/env bash
-# Stands in for compute-sanitizer: echoes what it was given and prints the tool's summary.
+# Stands in for compute-sanitizer: echoes what it was given, the replay's launched-kernel line
+# (the kernel its filter names, or FAKE_LAUNCHED) and prints the tool's summary.
 echo "args: $*"
 echo "caching off: $PYTORCH_NO_CUDA_MEMORY_CACHING"
+echo "launched kernel ${FAKE_LAUNCHED:-${4#kns=}}"
 sleep "${FAKE_SLEEP:-0}"
 if [ "$2" = memcheck ]; then echo "========= ERROR SUMMARY: ${FAKE_ERRORS:-0} errors"; fi
 if [ "$2" = racecheck ]; then echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"; fi
@@ -142,6 +166,15 @@ def test_sanitize_reports_errors_failing_replays_and_timeouts(fake_sanitizer, tm
     memcheck, racecheck = sanitize([("fwd_a", tmp_path)])
     assert memcheck.finding == "4 errors, the replay exited with status 1"
     assert racecheck.finding == "the replay exited with status 1"
+    monkeypatch.setenv("FAKE_EXIT", "2")
+    memcheck, racecheck = sanitize([("fwd_a", tmp_path)])
+    assert memcheck.kernel_finding and "4 errors" in memcheck.finding  # what the sanitizer saw still counts
+    assert racecheck.finding.startswith("the replay could not run (exit status 2") and not racecheck.kernel_finding
+    monkeypatch.delenv("FAKE_ERRORS")
+    monkeypatch.setenv("FAKE_EXIT", "0")
+    monkeypatch.setenv("FAKE_LAUNCHED", "fwd_sm80_tile")  # the replay ran another kernel than the one instrumented
+    (other,) = sanitize([("fwd_a", tmp_path)], tools=("memcheck",))
+    assert other.finding == "fwd_a never launched, so nothing was instrumented (the replay launched fwd_sm80_tile)"
     monkeypatch.setenv("FAKE_SLEEP", "5")
     (slow,) = sanitize([("fwd_a", tmp_path)], tools=("memcheck",), timeout=0.5)
     assert slow.returncode is None and slow.finding == "timed out"

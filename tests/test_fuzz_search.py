@@ -96,7 +96,7 @@ def test_dropped_partial_key_tile_is_found_and_shrunk_to_the_minimal_case(tmp_pa
     # The reproducer replays the same failure with the broken runner and passes with a correct one.
     failure = outcome.failure
     path = write_reproducer(reproducer_dir(tmp_path, failure.case, failure.kernel), failure.case,
-                            kernel=failure.kernel, arch=runner.arch, failure=failure)
+                            kernel=failure.kernel, machine=runner.machine, failure=failure)
     repro = load_reproducer(path)
     assert repro.case == failure.case and repro.failure["kind"] == failure.kind
     again, warnings = replay(repro, runner)
@@ -142,3 +142,46 @@ def test_sticky_gpu_error_while_shrinking_another_failure_wins():
     assert outcome.first_failure.kind == "crash" and outcome.failure.kind == "device"
     assert not outcome.shrunk and not outcome.flaky and outcome.failure is outcome.device_error
     assert runner.calls == outcome.cases + outcome.shrink_steps  # nothing ran after the device error
+
+
+def _reference_runs_out_of_memory_when(monkeypatch, too_big):
+    """The harness's float64 reference raises out-of-memory for cases with `too_big(seq_k)`."""
+    from attngen import reference
+
+    attention_for_spec = reference.attention_for_spec
+
+    def reference_oom(q, k, v, spec, *args, compute_dtype=torch.float64, **kwargs):
+        if compute_dtype == torch.float64 and too_big(k.shape[1]):
+            raise RuntimeError("CUDA out of memory. Tried to allocate 40.00 GiB")
+        return attention_for_spec(q, k, v, spec, *args, compute_dtype=compute_dtype, **kwargs)
+
+    monkeypatch.setattr(reference, "attention_for_spec", reference_oom)
+
+
+def test_a_harness_error_stops_the_search_unshrunk_and_is_no_kernel_failure(monkeypatch):
+    _reference_runs_out_of_memory_when(monkeypatch, lambda seq_k: seq_k > 40)
+    runner = Counting()
+    outcome = search(SPECS, runner, examples=300, seed=6, limits=LIMITS)
+    assert outcome.stopped == "harness error" and outcome.harness_error.kind == "harness"
+    assert outcome.harness_error.case.seq_k > 40 and "out of memory" in outcome.harness_error.detail
+    assert outcome.failure is None and outcome.shrink_steps == 0 and runner.calls == outcome.cases
+    assert sum(s.failures for s in outcome.kernels.values()) == 0
+
+
+def test_a_harness_error_while_shrinking_keeps_the_kernel_failure_found(monkeypatch):
+    failed = []
+    _reference_runs_out_of_memory_when(monkeypatch, lambda seq_k: bool(failed) and seq_k < 30)
+    runner = Counting(fail_when=lambda args: args[2] >= 30 and not failed.append(args), message="wrong")
+    outcome = search(SPECS, runner, examples=300, seed=5, limits=LIMITS)
+    assert outcome.stopped == "harness error" and outcome.harness_error.case.seq_k < 30
+    assert outcome.failure.kind == "crash" and outcome.failure.case.seq_k >= 30 and not outcome.shrunk
+
+
+def test_an_unexpected_exception_in_a_case_is_a_harness_error(monkeypatch):
+    def broken_harness(case, runner):
+        raise AssertionError("a bug in the harness")
+
+    monkeypatch.setattr("attngen.fuzz.search.run_case", broken_harness)
+    outcome = search(SPECS, ReferenceRunner(), examples=10, seed=0, limits=LIMITS)
+    assert outcome.stopped == "harness error" and outcome.cases == 1
+    assert outcome.harness_error.detail == "AssertionError: a bug in the harness"

@@ -10,7 +10,8 @@ import torch
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
-from attngen.fuzz.case import GUARD, LAYOUTS, PAD, FuzzCase, host_inputs, input_digest, make_inputs, make_outputs
+from attngen.fuzz.case import (GUARD_ROWS, LAYOUTS, PAD, FuzzCase, buffer_elements, host_inputs, input_digest,
+                               make_inputs, make_outputs)
 from attngen.fuzz.strategies import (BUILTIN_SPECS, DEFAULT_LIMITS, LOGIT_SCALES, fuzz_cases, random_spec,
                                      random_spec_pool)
 from attngen.masks import get_mask
@@ -34,10 +35,12 @@ def test_cases_are_valid_and_within_the_limits(case):
     assert case.heads_q == case.heads_kv * case.spec.gqa_ratio
     assert 1 <= case.seq_q <= LIMITS.max_seq and 1 <= case.seq_k <= max(LIMITS.max_seq, LIMITS.max_long_seq_k)
     assert case.batch <= LIMITS.max_batch
-    # Budgets hold unless even one batch and one kv head exceed them.
+    # Budgets hold unless even one batch and one kv head exceed them; the input budget counts the
+    # poisoned buffers the case allocates (guards and padding included).
     if case.batch * case.heads_kv > 1:
         assert case.score_elements <= LIMITS.max_score_elements
-        assert case.heads_q * max(case.seq_q, case.seq_k) * case.spec.head_dim * case.batch <= LIMITS.max_input_elements
+        longest = max(case.q_shape, case.kv_shape, key=lambda shape: shape[1])
+        assert buffer_elements(longest, case.layout) <= LIMITS.max_input_elements
 
 
 def _tile(case):
@@ -75,8 +78,14 @@ def test_strategy_generates_each_edge_case(name):
     find(CASES, EDGE_CASES[name], settings=SEARCH)
 
 
-def test_logit_scales_reach_scores_near_1e4():
-    assert max(LOGIT_SCALES) ** 2 >= 1e4
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_the_largest_logit_scale_gives_scores_near_1e4(head_dim):
+    # The scores the kernel sees (q.k * scale, scale = 1/sqrt(D)), from the data the case draws.
+    case = FuzzCase(AttentionSpec(head_dim=head_dim, dtype="bf16"), batch=1, seq_q=64, seq_k=64, heads_kv=2,
+                    logit_scale=max(LOGIT_SCALES), data_seed=5)
+    q, k, _ = host_inputs(case)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * case.scale
+    assert 5e3 <= scores.std() <= 2e4 and scores.abs().max() >= 1e4
 
 
 def test_builtin_specs_are_distinct_plannable_and_cover_the_spec_files():
@@ -158,7 +167,7 @@ def test_layouts_have_the_strides_they_promise():
     views = {layout: make_outputs(replace(CASE, layout=layout), "cpu")[0].view for layout in LAYOUTS}
     assert views["contiguous"].is_contiguous()
     assert views["transposed"].stride() == (H * S * D, D, S * D, 1)
-    assert views["padded"].stride() == ((S + 1) * H * (D + PAD), H * (D + PAD), D + PAD, 1)
+    assert views["padded"].stride() == ((S + GUARD_ROWS) * H * (D + PAD), H * (D + PAD), D + PAD, 1)
     for view in views.values():
         assert all(s % 8 == 0 for s in view.stride()[:3]), "rows must stay 16-byte aligned"
 
@@ -171,9 +180,53 @@ def test_outputs_start_poisoned_and_writes_outside_are_found():
         out.view.zero_()
         lse.view.zero_()
         assert out.written_outside() is None and lse.written_outside() is None
-        out.buffer.view(-1)[-1] = 0  # the last element of the buffer lies outside every view
-        assert out.written_outside() is not None
-    assert GUARD % 8 == 0 and PAD % 8 == 0
+        out.buffer[-1] = 0  # the last element of the buffer lies outside every view
+        assert "after the tensor's last element" in out.written_outside()
+        out.buffer[-1], out.buffer[0] = float("nan"), 0
+        assert "before the tensor's first element" in out.written_outside()
+    assert PAD % 8 == 0
+
+
+def _offsets(view, b, rows, h, cols):
+    """Buffer offsets of view[b, rows, h, cols] as a kernel computes them from the strides, rows and
+    columns taken past the tensor's ends (b, h: int or a range)."""
+    sB, sS, sH, sD = view.stride()
+    idx = [torch.as_tensor(list(x) if isinstance(x, range) else [x]) for x in (b, rows, h, cols)]
+    b_, r_, h_, c_ = torch.meshgrid(*idx, indexing="ij")
+    return (view.storage_offset() + b_ * sB + r_ * sS + h_ * sH + c_ * sD).flatten()
+
+
+def _all_nan_in_buffer(p, offsets):
+    inside = (offsets >= 0) & (offsets < p.buffer.numel())
+    return bool(inside.all()) and bool(torch.isnan(p.buffer[offsets]).all())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_whole_tile_read_past_the_ends_lands_in_nan(layout):
+    case = replace(CASE, layout=layout, batch=3, heads_kv=2)
+    B, S, H, D = case.kv_shape
+    after, before = range(S, S + GUARD_ROWS), range(-GUARD_ROWS, 0)
+    for p in make_inputs(case, "cpu")[1:]:  # k and v, each (B, S, H, D)
+        # Every layout: GUARD_ROWS rows past the end of the last sequence in storage order, and before the first.
+        last = (B - 1, H - 1) if layout == "transposed" else (B - 1, range(H))
+        first = (0, 0) if layout == "transposed" else (0, range(H))
+        assert _all_nan_in_buffer(p, _offsets(p.view, last[0], after, last[1], range(D)))
+        assert _all_nan_in_buffer(p, _offsets(p.view, first[0], before, first[1], range(D)))
+        if layout == "padded":  # and past the end and start of every sequence, and past every row's D
+            assert _all_nan_in_buffer(p, _offsets(p.view, range(B), after, range(H), range(D)))
+            assert _all_nan_in_buffer(p, _offsets(p.view, range(B), before, range(H), range(D)))
+            assert _all_nan_in_buffer(p, _offsets(p.view, range(B), range(S), range(H), range(D, D + PAD)))
+    lse = make_outputs(case, "cpu")[1]  # (B, H, S), one element per row
+    first, last = lse.view.storage_offset(), lse.view.storage_offset() + lse.view.numel() - 1
+    assert _all_nan_in_buffer(lse, torch.arange(first - GUARD_ROWS, first))
+    assert _all_nan_in_buffer(lse, torch.arange(last + 1, last + 1 + GUARD_ROWS))
+
+
+def test_guards_are_a_whole_tile_and_keep_rows_aligned():
+    from attngen.spec import BLOCK_MS, BLOCK_NS, HEAD_DIMS
+
+    assert GUARD_ROWS >= max(BLOCK_MS) and GUARD_ROWS >= max(BLOCK_NS)
+    assert all(d % 8 == 0 for d in HEAD_DIMS) and PAD % 8 == 0  # 16-byte aligned rows and guards
 
 
 def test_limits_up_to_a_shorter_length():

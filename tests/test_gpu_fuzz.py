@@ -1,6 +1,7 @@
 """The fuzzer on a GPU (marker `gpu`): the real kernels pass a short fuzz; a deliberately broken kernel
 (attngen/faults.py) is caught, shrunk to the minimal case and written as a reproducer that replays;
-compute-sanitizer finds nothing in two kernels."""
+compute-sanitizer finds nothing in two kernels, and a --replay --sanitize really instruments the
+kernel this GPU launches."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from attngen.cli import main
 from attngen.fuzz.case import FuzzCase
 from attngen.fuzz.check import run_case
 from attngen.fuzz.reproducer import load_reproducer, replay, reproducer_dir, write_reproducer
-from attngen.fuzz.runners import KernelRunner
+from attngen.fuzz.runners import KernelRunner, Machine
 from attngen.fuzz.sanitizer import find_compute_sanitizer, sanitize
 from attngen.fuzz.search import search
 from attngen.fuzz.strategies import BUILTIN_SPECS, Limits
@@ -52,7 +53,7 @@ def test_broken_kernel_is_caught_shrunk_and_replayable(tmp_path):
     assert failure.case == minimal, failure.describe()
 
     path = write_reproducer(reproducer_dir(tmp_path, failure.case, failure.kernel), failure.case,
-                            kernel=failure.kernel, arch=runner.arch, fault=FAULT, failure=failure)
+                            kernel=failure.kernel, machine=runner.machine, fault=FAULT, failure=failure)
     repro = load_reproducer(path)
     again, warnings = replay(repro, runner)
     assert again.kind == failure.kind and warnings == []
@@ -79,8 +80,42 @@ def test_sanitizer_is_clean_on_two_kernels(tmp_path):
         case = FuzzCase(spec, batch=2, seq_q=77, seq_k=45, heads_kv=2, layout="padded", data_seed=1)
         kernel = runner.kernel_name(spec)
         samples.append((kernel, write_reproducer(reproducer_dir(tmp_path, case, kernel), case, kernel=kernel,
-                                                 arch=runner.arch)))
+                                                 machine=runner.machine)))
     results = sanitize(samples, timeout=600)
     assert len(results) == 4
     for r in results:
         assert r.clean, f"{r.tool} {r.kernel}: {r.finding}\n{r.report.excerpt or r.output_tail}"
+
+
+def test_runner_machine_is_the_compile_target_of_the_device_it_compiles_for():
+    import torch
+
+    from attngen.runtime import compile as compile_kernel
+
+    runner = KernelRunner()
+    assert runner.device == f"cuda:{torch.cuda.current_device()}"
+    kernel = compile_kernel(BUILTIN_SPECS[0], runner.device_index)
+    assert runner.machine.target == kernel.target and runner.kernel_name(BUILTIN_SPECS[0]) == kernel.plan.name
+    assert runner.machine.gpu == torch.cuda.get_device_name(runner.device_index)
+    assert runner.machine.nvrtc.startswith("nvrtc-")
+    runner(BUILTIN_SPECS[0], *(torch.randn(1, 5, 1, 64, device=runner.device, dtype=torch.float16) for _ in "qkv"),
+           out=torch.empty(1, 5, 1, 64, device=runner.device, dtype=torch.float16),
+           lse=torch.empty(1, 1, 5, device=runner.device))
+    assert runner.launched == [kernel.plan.name]
+
+
+@pytest.mark.skipif(find_compute_sanitizer() is None, reason="compute-sanitizer not found")
+def test_replay_sanitize_instruments_the_kernel_this_gpu_launches(tmp_path):
+    # A reproducer recorded elsewhere, under another kernel name: the sanitizer must still instrument
+    # (and see launched) the kernel this GPU compiles, here with the fault the command line gives.
+    runner = KernelRunner(fault=FAULT)
+    spec = BUILTIN_SPECS[0]
+    case = FuzzCase(spec, batch=1, seq_q=33, seq_k=40, heads_kv=1, data_seed=2)
+    path = write_reproducer(reproducer_dir(tmp_path, case, "x"), case, kernel="fwd_recorded_elsewhere",
+                            machine=Machine("sm_80", "sm_86", "another GPU", "nvrtc-0.0"))
+    result = CliRunner().invoke(main, ["fuzz", "--replay", str(path), "--sanitize", "--fault", FAULT])
+    kernel = runner.kernel_name(spec)
+    # The fault makes the replay fail (exit 1: a kernel finding), and the sanitizer instrumented the faulty kernel.
+    assert result.exit_code == 1 and f"launched kernel {kernel}" in result.output, result.output
+    assert "never launched" not in result.output and f"kns={kernel}" in result.output
+    assert "recorded with GPU another GPU" in result.output

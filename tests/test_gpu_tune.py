@@ -1,9 +1,11 @@
 """`attngen tune` on a GPU (marker `gpu`): a tiny search into a temporary database, then
-`attngen.attention` with an untiled spec runs the tuned kernel; an explicit tile still wins."""
+`attngen.attention` with an untiled spec runs the tuned kernel; an explicit tile still wins;
+verification catches a deliberately broken kernel."""
 
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import yaml
@@ -20,7 +22,8 @@ from attngen.tune.model import Shape
 pytestmark = pytest.mark.gpu
 
 SPEC = AttentionSpec(head_dim=64, dtype="bf16", mask="causal")
-# Pinned fields narrow the space to 8 configs, none of them the default tile (block_n=128).
+# Pinned fields narrow the space to 8 configs, none of them the default tile (block_n=128); its
+# winner is stored for the untiled spec only because the tests ask for it (store_narrowed).
 NARROW = SPEC.replace(block_n=64, num_stages=2)
 SHAPE = Shape(batch=2, seqlen_q=1024, seqlen_k=1024, heads_q=8)
 
@@ -32,7 +35,8 @@ def tuned(tmp_path_factory):
     path = tmp_path_factory.mktemp("tune") / "tuning.sqlite3"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV_VAR, str(path))
-        result = tune(NARROW, [SHAPE], budget_s=120, max_fraction=1.0, db=TuningDB(path))[0]
+        result = tune(NARROW, [SHAPE], deadline=time.monotonic() + 120, max_fraction=1.0, db=TuningDB(path),
+                      store_narrowed=True)[0]
         yield result
 
 
@@ -85,8 +89,23 @@ def test_cli_tune_prints_the_table_winner_and_correlation(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(NARROW.to_dict()))
     db, export = tmp_path / "t.sqlite3", tmp_path / "export.json"
-    result = CliRunner().invoke(main, ["tune", str(spec), "--seqlen", "1024", "--batch-heads", "16", "--budget", "60",
-                                       "--max-fraction", "0.5", "--db", str(db), "--export", str(export), "--top", "3"])
+    args = ["tune", str(spec), "--seqlen", "1024", "--batch-heads", "16", "--budget", "60", "--max-fraction", "0.5",
+            "--db", str(db), "--export", str(export), "--top", "3"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and "--store-narrowed" in result.output and not db.exists()
+    result = CliRunner().invoke(main, args + ["--store-narrowed"])
     assert result.exit_code == 0, result.output
     assert "winner: m" in result.output and "Spearman" in result.output and "timed 4 of 8" in result.output
     assert len(TuningDB(db).entries()) == 1 and export.is_file()
+
+
+def test_verify_passes_a_correct_kernel_and_catches_a_broken_one(monkeypatch):
+    from attngen.fuzz import runners
+    from attngen.tune.search import verify
+
+    tiled = NARROW.replace(block_m=128, num_warps=4)
+    assert verify(tiled) is None
+    # The fault skips the last key block when it is partial: the verification length leaves one.
+    real = runners.KernelRunner
+    monkeypatch.setattr(runners, "KernelRunner", lambda: real(fault="drop_last_partial_kv_tile"))
+    assert verify(tiled).startswith("failed verification (output)")

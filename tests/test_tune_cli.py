@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -99,8 +100,34 @@ def test_tune_export_and_import_need_no_gpu(tmp_path):
     assert json.loads(export.read_text())["entries"][0]["block_m"] == 128
     result = invoke("tune", "--db", tmp_path / "dst.sqlite3", "--import", export)
     assert result.exit_code == 0, result.output
-    assert "imported 1 entries" in result.output
+    assert "imported 1 entries" in result.output and "not written" not in result.output
     assert TuningDB(tmp_path / "dst.sqlite3").entries() == src.entries()
+    src.put(dataclasses.replace(src.entries()[0], updated="2026-11-23T10:00:00+00:00"))
+    result = invoke("tune", "--db", src.path, "--import", export)
+    assert result.exit_code == 0, result.output
+    assert "imported 1 entries" in result.output
+    assert "(1 older than the entries already there: not written)" in result.output
+
+
+@pytest.mark.parametrize("where, why", [
+    ("missing/x.json", "directory {tmp}/missing does not exist"),
+    ("file.txt/x.json", "{tmp}/file.txt is not a directory"),
+])
+def test_tune_export_path_is_checked_before_anything_runs(tmp_path, where, why):
+    (tmp_path / "file.txt").write_text("")
+    spec = spec_file(tmp_path, head_dim=64)
+    result = invoke("tune", spec, "--db", tmp_path / "t.sqlite3", "--export", tmp_path / where)
+    assert result.exit_code == 2, result.output  # a usage error, before the GPU check or any tuning
+    assert "--export" in result.output and str(tmp_path / where) in result.output
+    assert why.format(tmp=tmp_path) in result.output and "allowed: a file path in an existing" in result.output
+    assert not (tmp_path / "t.sqlite3").exists()
+
+
+def test_tune_refuses_a_narrowed_spec_without_store_narrowed_before_anything_runs(tmp_path):
+    spec = spec_file(tmp_path, head_dim=64, block_n=64, num_stages=2)
+    result = invoke("tune", spec, "--db", tmp_path / "t.sqlite3")
+    assert result.exit_code == 1 and result.output.startswith(f"error: {spec}: pins block_n=64, num_stages=2")
+    assert "--store-narrowed" in result.output and not (tmp_path / "t.sqlite3").exists()
 
 
 @pytest.mark.parametrize("args, message", [

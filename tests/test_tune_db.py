@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing as mp
+import os
+import re
 import sqlite3
 from dataclasses import replace
 
@@ -75,13 +78,79 @@ def test_newer_result_replaces_older_never_the_reverse(tmp_path):
     assert db.get(old.key).tile == new.tile and len(db.entries()) == 1
 
 
+def test_put_says_whether_it_wrote_and_compares_times_not_text(tmp_path):
+    db = TuningDB(tmp_path / "t.sqlite3")
+    assert db.put(make_entry(updated="2026-11-23T10:00:00+00:00")) == 1
+    assert db.put(make_entry(tile=TileConfig(64, 64, 4, 3), updated="2026-11-22T10:00:00+00:00")) == 0
+    assert db.get(make_entry().key).tile == TileConfig(128, 64, 4, 2)
+    # 2026-11-23T09:00:00-02:00 is 11:00 UTC: newer, though it sorts first as text.
+    assert db.put(make_entry(tile=TileConfig(64, 64, 4, 3), updated="2026-11-23T09:00:00-02:00")) == 1
+    stored = db.get(make_entry().key)
+    assert stored.tile == TileConfig(64, 64, 4, 3) and stored.updated == "2026-11-23T11:00:00+00:00"
+
+
+def test_a_stored_time_that_is_not_one_never_freezes_the_row(tmp_path):
+    db = TuningDB(tmp_path / "t.sqlite3")
+    db.put(make_entry())
+    with sqlite3.connect(db.path) as conn:  # as an unchecked import could leave it
+        conn.execute("UPDATE tuned SET updated = 'zzz'")
+    assert db.put(make_entry(tile=TileConfig(64, 64, 4, 3))) == 1
+    assert db.get(make_entry().key).tile == TileConfig(64, 64, 4, 3)
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("ms", math.nan, "a finite number > 0"), ("ms", 0.0, "a finite number > 0"),
+    ("tflops", math.inf, "a finite number > 0"), ("updated", "2026-11-22T10:00:00", "UTC offset"),
+])
+def test_put_checks_every_entry_and_writes_none_of_a_bad_batch(tmp_path, field, value, allowed):
+    db = TuningDB(tmp_path / "t.sqlite3")
+    good, bad = make_entry(shape=Shape(1, 1024, 1024, 16)), replace(make_entry(), **{field: value})
+    message = rf"entry 1: {field}={re.escape(repr(value))} is invalid; allowed: .*{allowed}"
+    with pytest.raises(TuningDBError, match=message):
+        db.put(good, bad)
+    assert db.entries() == []
+
+
 def test_export_import_round_trip(tmp_path):
     src, dst = TuningDB(tmp_path / "a.sqlite3"), TuningDB(tmp_path / "b.sqlite3")
     entries = [make_entry(), make_entry(shape=Shape(1, 1024, 1024, 16), tile=TileConfig(64, 64, 4, 3))]
     src.put(*entries)
     assert src.export(tmp_path / "x.json") == 2
-    assert dst.import_file(tmp_path / "x.json") == 2
+    assert dst.import_file(tmp_path / "x.json") == (2, 2)
     assert dst.entries() == src.entries()
+    assert dst.import_file(tmp_path / "x.json") == (2, 2)  # the same time: the file's entry wins
+    dst.put(make_entry(updated="2026-11-24T10:00:00+00:00"))
+    assert dst.import_file(tmp_path / "x.json") == (2, 1)  # never over a newer row
+
+
+def test_import_normalizes_times_to_utc(tmp_path):
+    db = TuningDB(tmp_path / "t.sqlite3")
+    db.put(make_entry())
+    path = tmp_path / "x.json"
+    db.export(path)
+    doc = json.loads(path.read_text())
+    doc["entries"][0]["updated"] = "2026-11-22T12:30:00.250+02:00"
+    path.write_text(json.dumps(doc))
+    other = TuningDB(tmp_path / "other.sqlite3")
+    other.import_file(path)
+    assert other.entries()[0].updated == "2026-11-22T10:30:00.250000+00:00"
+
+
+def test_export_is_atomic_and_names_the_file(tmp_path, monkeypatch):
+    db = TuningDB(tmp_path / "t.sqlite3")
+    db.put(make_entry())
+    path = tmp_path / "x.json"
+    path.write_text("the previous export\n")
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(TuningDBError, match=f"{re.escape(str(path))}: cannot write the tuning export"):
+        db.export(path)
+    assert path.read_text() == "the previous export\n" and sorted(tmp_path.iterdir()) == [db.path, path]
+    with pytest.raises(TuningDBError, match="missing"):
+        db.export(tmp_path / "missing" / "x.json")
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -92,7 +161,23 @@ def test_export_import_round_trip(tmp_path):
     (lambda doc: doc["entries"][0].update(block_m=48), "block_m=48 is invalid"),
     (lambda doc: doc["entries"][0].update(num_warps=8, block_m=64), "block_m"),
     (lambda doc: doc["entries"][0].update(spec='{"head_dim": 100}'), "head_dim=100"),
-    (lambda doc: doc["entries"][0].update(spec='{"head_dim":64,"block_m":64}'), "not a canonical"),
+    (lambda doc: doc["entries"][0].update(spec='{"head_dim":64,"block_m":64}'), "a canonical untiled spec key"),
+    (lambda doc: doc["entries"][0].update(spec="{"), r"spec='\{' is invalid"),
+    (lambda doc: doc["entries"][0].update(updated="zzz"), "updated='zzz' is invalid; allowed: an ISO 8601 date"),
+    (lambda doc: doc["entries"][0].update(updated="2026-11-22T10:00:00"), "updated=.* with a UTC offset"),
+    (lambda doc: doc["entries"][0].update(seqlen_bucket=1000),
+     "seqlen_bucket=1000 is invalid; allowed: a power of two"),
+    (lambda doc: doc["entries"][0].update(batch_heads_bucket=-4), "batch_heads_bucket=-4 is invalid"),
+    (lambda doc: doc["entries"][0].update(ms=-1.0), "ms=-1.0 is invalid; allowed: a finite number > 0"),
+    (lambda doc: doc["entries"][0].update(ms=math.nan), "ms=nan is invalid; allowed: a finite number > 0"),
+    (lambda doc: doc["entries"][0].update(tflops=math.inf), "tflops=inf is invalid"),
+    (lambda doc: doc["entries"][0].update(timed=0), "timed=0 is invalid; allowed: an integer from 1 to space=110"),
+    (lambda doc: doc["entries"][0].update(timed=111), "timed=111 is invalid"),
+    (lambda doc: doc["entries"][0].update(space=0), "space=0 is invalid"),
+    (lambda doc: doc["entries"][0].update(arch="sm90"), "arch='sm90' is invalid; allowed: a compile target"),
+    (lambda doc: doc["entries"][0].update(arch="gfx90a"), "arch='gfx90a' is invalid"),
+    (lambda doc: doc["entries"][0].update(gpu=""), "gpu='' is invalid; allowed: a non-empty string"),
+    (lambda doc: doc["entries"][0].update(compiler=" "), "compiler=' ' is invalid"),
 ])
 def test_bad_import_names_file_entry_and_field(tmp_path, mutate, message):
     db = TuningDB(tmp_path / "t.sqlite3")
@@ -104,7 +189,8 @@ def test_bad_import_names_file_entry_and_field(tmp_path, mutate, message):
     path.write_text(json.dumps(doc))
     with pytest.raises(TuningDBError, match=message) as info:
         TuningDB(tmp_path / "other.sqlite3").import_file(path)
-    assert str(path) in str(info.value)
+    whole_file = message in ("not a tuning export", "'entries' must be a list")
+    assert str(info.value).startswith(f"{path}: " if whole_file else f"{path}: entry 0: ")
     assert not (tmp_path / "other.sqlite3").exists()  # all or nothing
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import multiprocessing as mp
 import warnings
 
 import pytest
@@ -14,6 +16,7 @@ from attngen.tune.model import Shape
 GPU, ARCH, NVRTC = "NVIDIA H100 80GB HBM3", "sm_90", "nvrtc-13.0"
 SPEC = AttentionSpec(head_dim=64, mask="causal")
 TUNED = TileConfig(64, 64, 4, 3)
+OTHER = TileConfig(128, 64, 4, 2)
 
 
 def store(db: TuningDB, spec=SPEC, shape=Shape(4, 2048, 2048, 32), tile=TUNED) -> TuningEntry:
@@ -87,8 +90,8 @@ def test_corrupt_database_warns_once_and_uses_defaults(db):
 
 
 def test_entry_the_spec_rejects_is_ignored_with_a_warning(db):
-    # A d64 entry stored for a d256 spec: its tile would not fit shared memory... the spec itself
-    # accepts it, so make one it cannot accept: rows per warp 64.
+    # A tile the spec's own rules reject (m128 with one warp: 128 rows per warp), written behind
+    # the database's checks, as an older attngen or a hand edit could leave it.
     import sqlite3
 
     store(db)
@@ -118,3 +121,53 @@ def test_entry_today_s_plan_rejects_is_ignored_with_a_warning(db):
     store(db, spec=spec, tile=TileConfig(256, 128, 8, 4))
     with pytest.warns(UserWarning, match="shared memory"):
         assert call(spec, H=32) is spec
+
+
+def test_a_write_in_this_process_is_seen_at_once(db):
+    entry = store(db)
+    assert call(SPEC).tile == TUNED
+    TuningDB(db.path).put(dataclasses.replace(entry, tile=OTHER, updated="2026-11-23T10:00:00+00:00"))
+    assert call(SPEC).tile == OTHER  # no clear_memo(): the write itself makes the answer stale
+
+
+def test_an_import_in_this_process_is_seen_at_once(db, tmp_path):
+    store(db)
+    assert call(SPEC).tile == TUNED
+    other = TuningDB(tmp_path / "other.sqlite3")
+    store(other, tile=OTHER)  # as old as the entry it replaces: an import wins a tie
+    other.export(tmp_path / "x.json")
+    db.import_file(tmp_path / "x.json")
+    assert call(SPEC).tile == OTHER
+
+
+def test_an_answer_read_before_a_write_is_not_memoized_after_it(db, monkeypatch):
+    store(db)
+    real_get = TuningDB.get
+
+    def get_then_tune_writes(self, key):
+        found = real_get(self, key)  # the reader has its (old) answer ...
+        monkeypatch.setattr(TuningDB, "get", real_get)
+        # ... when a tune in another thread writes and clears the memo, before the reader stores it.
+        TuningDB(db.path).put(dataclasses.replace(found, tile=OTHER, updated="2026-11-23T10:00:00+00:00"))
+        lookup.clear_memo()
+        return found
+
+    monkeypatch.setattr(TuningDB, "get", get_then_tune_writes)
+    assert call(SPEC).tile == TUNED  # what it read
+    assert call(SPEC).tile == OTHER  # not the old answer, memoized after the clear
+
+
+def _put_other_tile(path: str) -> None:
+    entry = TuningEntry(TuningKey.for_shape(SPEC, Shape(4, 2048, 2048, 32), GPU, ARCH, NVRTC), OTHER, 1.0, 300.0,
+                        "b4h32s2048", 30, 128, "0.1.0", "2026-11-23T10:00:00+00:00")
+    assert TuningDB(path).put(entry) == 1
+
+
+def test_a_write_by_another_process_is_seen(db):
+    store(db)
+    assert call(SPEC).tile == TUNED
+    proc = mp.get_context("spawn").Process(target=_put_other_tile, args=(str(db.path),))
+    proc.start()
+    proc.join(timeout=120)
+    assert proc.exitcode == 0
+    assert call(SPEC).tile == OTHER

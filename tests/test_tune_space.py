@@ -181,3 +181,33 @@ def test_model_rejects_unknown_arch():
         gpu_model("sm_70")
     with pytest.raises(SpecError):
         AttentionSpec(head_dim=64, block_m=48)
+
+
+def test_resource_reports_are_cached_per_nvcc_version_and_failures_are_retried(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import attngen.nvcc
+    from attngen.tune import resources
+
+    space = search_space(AttentionSpec(head_dim=64, block_m=64, block_n=64, num_warps=4), "sm_90")
+    compiled, failing, version = [], set(c.spec for c in space[:1]), ["13.0.88"]
+
+    def fake_report(spec, arch):
+        compiled.append(spec)
+        if spec in failing:
+            return "CompileError: nvcc was killed"
+        return ResourceReport(spec.tile.label(), arch, 128, 0, 0, 0, 0, 0)
+
+    monkeypatch.setattr(resources, "_reports", {})
+    monkeypatch.setattr(resources, "_nvcc_report", fake_report)
+    monkeypatch.setattr(resources, "process_pool", lambda jobs: ThreadPoolExecutor(2))
+    monkeypatch.setattr(attngen.nvcc, "nvcc_version", lambda: version[0])
+    first = resources.compile_reports(space, "sm_90")
+    assert first[0] == "CompileError: nvcc was killed" and len(compiled) == len(space)
+    failing.clear()
+    again = resources.compile_reports(space, "sm_90")
+    assert compiled[len(space):] == [space[0].spec]  # only the failure is compiled again
+    assert isinstance(again[0], ResourceReport) and again[1:] == first[1:]
+    version[0] = "13.1.0"
+    resources.compile_reports(space, "sm_90")
+    assert len(compiled) == 2 * len(space) + 1  # another nvcc: every report again

@@ -6,10 +6,11 @@ One job per module:
   runners.py     the thing under test: the compiled kernel (optionally with a deliberate fault), or the
                  reference itself (to test the harness without a GPU)
   check.py       run one case, compare with the reference (attngen.tolerance), classify the failure
+                 (a kernel failure kind, or a harness error)
   search.py      the hypothesis-driven search: examples, seed, time budget, shrinking, per-kernel stats
   reproducer.py  write a failing case to disk (spec YAML + case JSON); load and replay it
   sanitizer.py   compute-sanitizer (memcheck, racecheck) over a sample of cases, one process each
-  report.py      progress display and summary tables (rich when installed, plain text otherwise)
+  report.py      progress (attngen.progress) and summary tables (rich when installed, plain text otherwise)
   command.py     the `attngen fuzz` command
 
 Nothing here imports torch or hypothesis at import time, so `attngen --help` needs neither.

@@ -4,14 +4,28 @@ A case is a spec, a shape, a memory layout and how its data is drawn. The data i
 the CPU from a torch.Generator seeded with `data_seed`, then copied to the device, so a
 reproducer regenerates exactly the same inputs on any machine (`input_digest` confirms it).
 
-Every tensor the kernel sees is a view into a larger buffer filled with NaN:
-  contiguous  (B, S, H, D), followed by GUARD NaN elements
-  transposed  (B, H, S, D) storage seen through .transpose(1, 2) (how SDPA-layout tensors
-              arrive), followed by GUARD NaN elements
-  padded      a (B, S + 1, H, D + PAD) buffer viewed as [:, :S, :, :D]: strides that do not
-              follow from the shape, and a NaN row and NaN columns around every row
-An output element the kernel never writes stays NaN; a write outside the output changes the
-NaN around it (`Poisoned.written_outside`); a read outside an input pulls NaN into the result.
+Every tensor the kernel sees is a view into a larger flat buffer filled with NaN. A "row" is
+one sequence position: H*D elements of q, k, v or out, one element of the LSE. GUARD_ROWS rows
+of NaN lie before and after each tensor's storage, and each layout places the tensor as:
+  contiguous  (B, S, H, D)
+  transposed  (B, H, S, D) storage seen through .transpose(1, 2) (how SDPA-layout tensors arrive)
+  padded      (B, S + GUARD_ROWS, H, D + PAD) storage seen as [:, :S, :, :D]: strides that do not
+              follow from the shape, GUARD_ROWS NaN rows after every sequence and PAD NaN
+              columns after every row
+The LSE is always contiguous (the kernel contract). GUARD_ROWS is the largest tile (block_m or
+block_n) a spec can have. What that catches:
+  - an output element the kernel never writes stays NaN, so the case fails;
+  - a write that lands in the buffer but outside the tensor's elements changes the NaN there
+    (`Poisoned.written_outside`); a write into another (batch, head)'s elements is caught only
+    if it leaves a wrong value there;
+  - a read outside an input pulls NaN into the result if it lands in NaN: up to GUARD_ROWS rows
+    before the first or after the last row of the storage, in every layout, and in the padded
+    layout also up to GUARD_ROWS rows past the end of every sequence, before the start of every
+    sequence but the first (the previous one's padding), and up to PAD columns past a row's D.
+    In the contiguous and transposed layouts a read past the end of a sequence other than the
+    last in storage order lands in the next (batch, head)'s finite data, and is caught only if
+    that moves the result beyond the bound.
+The inputs themselves are drawn on the CPU from the seed, so the guards do not change them.
 """
 
 from __future__ import annotations
@@ -23,10 +37,12 @@ from dataclasses import dataclass
 import torch
 
 from attngen.reference import SPEC_DTYPES
-from attngen.spec import AttentionSpec
+from attngen.spec import BLOCK_MS, BLOCK_NS, AttentionSpec
 
 LAYOUTS = ("contiguous", "transposed", "padded")
-GUARD = 64  # NaN elements after a flat buffer: a multiple of 8, so views stay 16-byte aligned
+# NaN rows before and after every tensor, and after every sequence in the padded layout: the
+# largest tile. A row of q/k/v/out is H*D elements, a multiple of 8, so views stay 16-byte aligned.
+GUARD_ROWS = max(*BLOCK_MS, *BLOCK_NS)
 PAD = 8  # extra NaN columns per row in the padded layout: 16 bytes, so rows stay 16-byte aligned
 MAX_SEED = 2**63 - 1
 
@@ -102,40 +118,65 @@ def _positive_finite(x) -> bool:
 # -- poisoned buffers -------------------------------------------------------------
 @dataclass(frozen=True)
 class Poisoned:
-    """A view (what the kernel gets) into a NaN-filled buffer larger than the view."""
+    """A view (what the kernel gets) into a flat NaN-filled buffer larger than the view."""
 
     buffer: torch.Tensor
     view: torch.Tensor
     layout: str
 
-    def written_outside(self) -> tuple[int, ...] | None:
-        """Index into the buffer of the first element outside the view that is no longer NaN."""
+    def written_outside(self) -> str | None:
+        """Where the first element outside the view that is no longer NaN lies, or None."""
         inside = torch.zeros(self.buffer.shape, dtype=torch.bool, device=self.buffer.device)
         _view(inside, self.layout, tuple(self.view.shape)).fill_(True)
         changed = ~torch.isnan(self.buffer) & ~inside
         if not changed.any():
             return None
-        return tuple(int(i) for i in changed.nonzero()[0])
+        index = int(changed.nonzero()[0, 0])
+        first, last = self.view.storage_offset(), int(inside.nonzero()[-1, 0])
+        where = ("before the tensor's first element" if index < first else
+                 "after the tensor's last element" if index > last else "between the tensor's elements")
+        return f"buffer element {index}, {where} (the tensor spans buffer elements {first} to {last})"
 
 
-def _buffer_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    if layout == "padded":
-        B, S, H, D = shape
-        return (B, S + 1, H, D + PAD)
-    return (math.prod(shape) + GUARD,)
+def _row(shape: tuple[int, ...]) -> int:
+    """Elements of one sequence position: H*D of a (B, S, H, D) tensor, one of a (B, H, S) LSE."""
+    return shape[2] * shape[3] if len(shape) == 4 else 1
+
+
+def _storage_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the storage between the guards."""
+    if layout == "contiguous":
+        return shape
+    B, S, H, D = shape
+    if layout == "transposed":
+        return (B, H, S, D)
+    return (B, S + GUARD_ROWS, H, D + PAD)
+
+
+def _guard(layout: str, shape: tuple[int, ...]) -> int:
+    """NaN elements before and after the storage: GUARD_ROWS rows of it."""
+    return GUARD_ROWS * _row(_storage_shape(layout, shape) if layout == "padded" else shape)
+
+
+def buffer_elements(shape: tuple[int, ...], layout: str) -> int:
+    """How many elements a poisoned buffer for a tensor of `shape` in `layout` holds."""
+    return math.prod(_storage_shape(layout, shape)) + 2 * _guard(layout, shape)
 
 
 def _view(buffer: torch.Tensor, layout: str, shape: tuple[int, ...]) -> torch.Tensor:
+    storage_shape = _storage_shape(layout, shape)
+    guard = _guard(layout, shape)
+    storage = buffer[guard: guard + math.prod(storage_shape)].view(storage_shape)
     if layout == "contiguous":
-        return buffer[: math.prod(shape)].view(shape)
-    B, S, H, D = shape
+        return storage
     if layout == "transposed":
-        return buffer[: math.prod(shape)].view(B, H, S, D).transpose(1, 2)
-    return buffer[:, :S, :, :D]
+        return storage.transpose(1, 2)
+    B, S, H, D = shape
+    return storage[:, :S, :, :D]
 
 
 def poisoned(shape: tuple[int, ...], layout: str, dtype: torch.dtype, device) -> Poisoned:
-    buffer = torch.full(_buffer_shape(layout, shape), math.nan, dtype=dtype, device=device)
+    buffer = torch.full((buffer_elements(shape, layout),), math.nan, dtype=dtype, device=device)
     return Poisoned(buffer, _view(buffer, layout, shape), layout)
 
 

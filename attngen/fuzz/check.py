@@ -4,6 +4,11 @@ Checks, in order: the runner returned (no exception); nothing was written outsid
 `lse`; the output is finite, fully written (outputs start as NaN) and within the dtype's bound;
 the LSE has -inf exactly on fully masked rows, no NaN, and is within its bound. The bounds are
 attngen.tolerance's, stated once and derived from the numerics; nothing here loosens them.
+
+An error in the harness's own work (making the poisoned buffers, the float64 reference, the
+checks), out of memory say, is not a kernel failure: its result has kind HARNESS, and the search
+stops on it instead of shrinking it. Gradients are not checked: no spec has a backward pass
+(tests/test_fuzz_check.py fails once AttentionSpec grows one).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from attngen.errors import is_sticky_cuda_error
 from attngen.fuzz.case import FuzzCase, make_inputs, make_outputs
 from attngen.fuzz.runners import Runner
 
-# What each failure kind means; also the order in which the checks run.
+# What each kernel failure kind means; also the order in which the checks run.
 FAILURE_KINDS = {
     "device": "the GPU raised a sticky error: the CUDA context is unusable for later cases in this process",
     "crash": "the runner raised an exception",
@@ -24,8 +29,9 @@ FAILURE_KINDS = {
     "output": "the output is NaN/Inf, not fully written, or differs from the reference beyond the bound",
     "lse": "the LSE differs from the reference (value, -inf pattern or NaN)",
 }
-
-# Errors after which every later CUDA call in the process fails too (torch and CuPy spellings).
+# Not a kernel failure: the harness itself could not run or check the case.
+HARNESS = "harness"
+HARNESS_MEANING = "the harness itself failed (making inputs, the reference or the checks), not the kernel"
 
 
 @dataclass(frozen=True)
@@ -33,15 +39,21 @@ class CaseResult:
     case: FuzzCase
     kernel: str
     seconds: float
-    kind: str | None = None  # a FAILURE_KINDS key, None when the case passed
+    kind: str | None = None  # a FAILURE_KINDS key or HARNESS; None when the case passed
     detail: str = ""
 
     @property
     def ok(self) -> bool:
         return self.kind is None
 
+    @property
+    def harness_error(self) -> bool:
+        """The case was not checked: the harness failed, so nothing is known about the kernel."""
+        return self.kind == HARNESS
+
     def describe(self) -> str:
-        status = "ok" if self.ok else f"FAILED ({self.kind}): {self.detail}"
+        status = ("ok" if self.ok else f"harness error (not a kernel failure): {self.detail}" if self.harness_error
+                  else f"FAILED ({self.kind}): {self.detail}")
         return f"{self.kernel} {self.case.label()}: {status}"
 
 
@@ -52,31 +64,34 @@ def run_case(case: FuzzCase, runner: Runner) -> CaseResult:
     def result(kind=None, detail=""):
         return CaseResult(case, kernel, time.perf_counter() - start, kind, detail)
 
-    if has_backward(case.spec):
-        # Fail loudly rather than pass a spec whose gradients nobody checked.
-        raise NotImplementedError(f"{kernel}: the spec has a backward pass; add gradient checks to attngen/fuzz/check.py")
-    q, k, v = (p.view for p in make_inputs(case, runner.device))
-    out, lse = make_outputs(case, runner.device)
+    def harness_failure(stage: str, exc: Exception) -> CaseResult:
+        message = f"{type(exc).__name__}: {exc}"
+        # A sticky error surfacing here was raised by the kernel that ran before it.
+        return result("device" if is_sticky_cuda_error(message) else HARNESS, f"{stage}: {message}")
+
+    try:
+        q, k, v = (p.view for p in make_inputs(case, runner.device))
+        out, lse = make_outputs(case, runner.device)
+    except Exception as exc:  # noqa: BLE001 - out of memory, typically
+        return harness_failure("making the inputs and outputs", exc)
     try:
         runner(case.spec, q, k, v, out=out.view, lse=lse.view, softmax_scale=case.softmax_scale)
     except Exception as exc:  # noqa: BLE001 - whatever the runner raises is this case's failure
         message = f"{type(exc).__name__}: {exc}"
         return result("device" if is_sticky_cuda_error(message) else "crash", message)
-    for name, buffer in (("out", out), ("lse", lse)):
-        where = buffer.written_outside()
-        if where is not None:
-            return result("guard", f"{name}'s buffer was written outside the tensor, at buffer index {where}")
-    ref, ref_lse = reference.attention_for_spec(q, k, v, case.spec, softmax_scale=case.softmax_scale, return_lse=True)
-    bad = tolerance.check_output(out.view, ref, q, k, v, case.spec.dtype, case.scale)
-    if bad is not None:
-        return result("output", str(bad))
-    bad = tolerance.check_lse(lse.view, ref_lse, q, k, case.scale)
-    if bad is not None:
-        return result("lse", str(bad))
+    try:
+        for name, buffer in (("out", out), ("lse", lse)):
+            where = buffer.written_outside()
+            if where is not None:
+                return result("guard", f"{name}'s buffer was written outside the tensor, at {where}")
+        ref, ref_lse = reference.attention_for_spec(q, k, v, case.spec, softmax_scale=case.softmax_scale,
+                                                    return_lse=True)
+        bad = tolerance.check_output(out.view, ref, q, k, v, case.spec.dtype, case.scale)
+        if bad is not None:
+            return result("output", str(bad))
+        bad = tolerance.check_lse(lse.view, ref_lse, q, k, case.scale)
+        if bad is not None:
+            return result("lse", str(bad))
+    except Exception as exc:  # noqa: BLE001 - the reference running out of memory, typically
+        return harness_failure("checking the result", exc)
     return result()
-
-
-def has_backward(spec) -> bool:
-    """Whether the spec has a backward pass whose gradients a case must check. No spec has one yet
-    (attngen generates forward kernels only), so gradient checks are not applicable today."""
-    return bool(getattr(spec, "backward", False))

@@ -1,8 +1,13 @@
 """The `attngen fuzz` command: search, report, write the reproducer; replay; sanitize.
 
-Exit status: 0 when every case passed (and every sanitizer run was clean), 1 when a case
-failed, a replay still fails or the sanitizer found something, 2 when the tool cannot run
-(no GPU, a missing package), 130 when interrupted (after printing what ran).
+Exit status (EXIT_STATUS, also in --help and the README):
+  0    every case passed and every sanitizer run was clean
+  1    a kernel failure: a case failed, a replay still fails, or compute-sanitizer found something
+  2    a usage or harness error: bad arguments, spec files or reproducer paths, no GPU or a missing
+       package, the harness itself failing on a case (out of memory, say), or a sanitizer run
+       that could not check its kernel
+  130  interrupted (after printing what ran)
+A run that finds a kernel failure exits 1 even if something else also went wrong.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import NoReturn
 
 import click
 
+from attngen.errors import SpecError
 from attngen.faults import FAULTS
 
 DEFAULT_OUT = "fuzz-out"
@@ -24,6 +30,9 @@ DEFAULT_EXAMPLES = 100
 DEFAULT_RANDOM_SPECS = 16
 DEFAULT_SANITIZE_SAMPLE = 20
 DEFAULT_SANITIZE_JOBS = 4
+EXIT_STATUS = ("Exit status: 0 all passed (and sanitizer runs clean); 1 a kernel failure found (a failing case, a "
+               "replay that still fails, a sanitizer finding); 2 a usage or harness error (bad arguments or paths, "
+               "no GPU, the harness failing on a case, a sanitizer run that checked nothing); 130 interrupted.")
 
 
 def make_runner(fault: str | None):
@@ -38,7 +47,12 @@ def _fail_to_start(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-@click.command()
+def _status(*statuses: int) -> int:
+    """The run's exit status from its parts': a kernel failure (1) outranks a harness error (2)."""
+    return 1 if 1 in statuses else max(statuses, default=0)
+
+
+@click.command(epilog=EXIT_STATUS)
 @click.argument("specs", metavar="[SPEC]...", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--random-specs", is_flag=True,
               help="Also fuzz random valid specs (random fields and tiles), drawn from the seed.")
@@ -51,12 +65,14 @@ def _fail_to_start(message: str) -> NoReturn:
 @click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
               help="Stop drawing new cases after this long; a failure found in time is still shrunk.")
 @click.option("--max-seq-len", type=click.IntRange(min=2), default=None, metavar="N",
-              help="Longest query/key length to draw (a single query sees up to 4N keys). [default: 4200]")
+              help="Longest query/key length to draw (a single query sees up to 4N keys); lower it when the "
+                   "harness runs out of memory. [default: 4200]")
 @click.option("--out", "out_dir", default=DEFAULT_OUT, show_default=True,
               type=click.Path(file_okay=False, path_type=Path),
               help="Where reproducers go: OUT/failures/ and, with --sanitize, OUT/sanitize/.")
 @click.option("--replay", "replays", multiple=True, type=click.Path(path_type=Path), metavar="PATH",
-              help="Re-run a reproducer directory instead of fuzzing; exits 1 if it still fails. Repeatable.")
+              help="Re-run a reproducer directory (with spec.yaml and case.json) instead of fuzzing; exits 1 if it "
+                   "still fails. Repeatable.")
 @click.option("--sanitize", is_flag=True,
               help="Afterwards, replay one passing case per kernel under compute-sanitizer memcheck and racecheck "
                    "(with --replay: the reproducers).")
@@ -65,7 +81,8 @@ def _fail_to_start(message: str) -> NoReturn:
 @click.option("--sanitize-jobs", type=click.IntRange(min=1), default=DEFAULT_SANITIZE_JOBS, show_default=True,
               help="Sanitizer processes to run at once.")
 @click.option("--fault", type=click.Choice(sorted(FAULTS)), default=None,
-              help="Run deliberately broken kernels (attngen/faults.py), to check that the fuzzer catches them.")
+              help="Run deliberately broken kernels (attngen/faults.py), to check that the fuzzer catches them "
+                   "(with --replay: instead of the reproducers' recorded faults, also under --sanitize).")
 def fuzz(specs, random_specs, random_spec_count, examples, seed, time_budget, max_seq_len, out_dir, replays, sanitize,
          sanitize_sample, sanitize_jobs, fault) -> None:
     """Fuzz the kernels of each SPEC (default: the built-in pool) against the reference.
@@ -81,13 +98,22 @@ def fuzz(specs, random_specs, random_spec_count, examples, seed, time_budget, ma
     except ImportError as exc:
         _fail_to_start(f"attngen fuzz needs torch and hypothesis (pip install hypothesis); import failed: {exc}")
     sanitizing = Sanitizing(sanitize_sample, sanitize_jobs) if sanitize else None
+    if sanitizing is not None:
+        from attngen.fuzz.sanitizer import find_compute_sanitizer
+
+        if find_compute_sanitizer() is None:  # now, not after the fuzz run
+            _fail_to_start("--sanitize needs compute-sanitizer: put it on PATH, or nvcc with it beside it "
+                           "(CUDA_HOME/bin)")
     if replays:
         if specs or random_specs:
             raise click.UsageError("--replay runs reproducers: it takes no SPEC arguments and no --random-specs")
         raise SystemExit(_replay_all(replays, fault, sanitizing))
     runner = _runner(fault)
     seed = secrets.randbelow(2**32) if seed is None else seed
-    pool = _spec_pool(specs, random_specs, random_spec_count, seed, runner.arch)
+    try:
+        pool = _spec_pool(specs, random_specs, random_spec_count, seed, runner.arch)
+    except SpecError as exc:
+        raise click.BadParameter(str(exc), param_hint="SPEC") from None
     raise SystemExit(_fuzz(pool, runner, examples=examples, seed=seed, limits=_limits(max_seq_len),
                            time_budget=time_budget, out_dir=out_dir, fault=fault, sanitizing=sanitizing))
 
@@ -138,8 +164,11 @@ def _fuzz(pool, runner, *, examples, seed, limits, time_budget, out_dir: Path, f
     print_summary(outcome)
     status = 0
     if outcome.failure is not None:
-        _report_failure(outcome, out_dir / "failures", runner.arch, fault)
+        _report_failure(outcome, out_dir / "failures", runner.machine, fault)
         status = 1
+    if outcome.harness_error is not None:
+        _report_harness_error(outcome.harness_error, limits)
+        return _status(status, 2)
     if outcome.stopped == "interrupted":
         return 130
     if sanitizing is not None:
@@ -151,8 +180,8 @@ def _fuzz(pool, runner, *, examples, seed, limits, time_budget, out_dir: Path, f
             click.echo(f"note: --sanitize-sample {sanitizing.sample}, but only {len(chosen)} kernels have a passing "
                        "case in this run (add specs or --random-specs)")
         samples = [(s.kernel, write_reproducer(reproducer_dir(out_dir / "sanitize", s.sample, s.kernel), s.sample,
-                                               kernel=s.kernel, arch=runner.arch, fault=fault)) for s in chosen]
-        status = max(status, _sanitize(samples, sanitizing.jobs))
+                                               kernel=s.kernel, machine=runner.machine, fault=fault)) for s in chosen]
+        status = _status(status, _sanitize(samples, sanitizing.jobs, fault))
     return status
 
 
@@ -172,15 +201,17 @@ def _hypothesis_files_under(out_dir: Path):
         set_hypothesis_home_dir(None)
 
 
-def _report_failure(outcome, failures_dir: Path, arch: str, fault) -> None:
+def _report_failure(outcome, failures_dir: Path, machine, fault) -> None:
     from attngen.fuzz.check import FAILURE_KINDS
     from attngen.fuzz.reproducer import replay_command, reproducer_dir, write_reproducer
 
     failure = outcome.failure
     path = write_reproducer(reproducer_dir(failures_dir, failure.case, failure.kernel), failure.case,
-                            kernel=failure.kernel, arch=arch, fault=fault, failure=failure)
+                            kernel=failure.kernel, machine=machine, fault=fault, failure=failure)
     if outcome.shrunk:
         how = f"shrunk in {outcome.shrink_steps} steps from: {outcome.first_failure.case.label()}"
+    elif outcome.harness_error is not None:
+        how = "not shrunk: the harness failed while shrinking it (below)"
     elif outcome.flaky:
         how = "not shrunk: it passed when run again (a race, or a read of uninitialised memory?)"
     else:
@@ -191,32 +222,55 @@ def _report_failure(outcome, failures_dir: Path, arch: str, fault) -> None:
                f"replay it with:\n  {replay_command(path)}")
 
 
+def _report_harness_error(result, limits) -> None:
+    from attngen.fuzz.check import HARNESS_MEANING
+
+    click.echo(f"\nerror: {HARNESS_MEANING}; the run stopped there.\n  kernel: {result.kernel}\n"
+               f"  case:   {result.case.label()}\n  detail: {result.detail}\n"
+               f"If it ran out of memory, lower --max-seq-len (this run: {limits.max_seq}).", err=True)
+
+
 def _replay_all(paths, fault, sanitizing: Sanitizing | None) -> int:
     from attngen.fuzz.reproducer import load_reproducer, replay
+    from attngen.fuzz.sanitizer import LAUNCHED_LINE
 
+    loaded = []
+    for path in paths:
+        try:
+            loaded.append(load_reproducer(path))
+        except ValueError as exc:  # SpecError included: a damaged spec.yaml
+            raise click.BadParameter(str(exc), param_hint="'--replay'") from None
     runners: dict = {}
+    kernels = []  # the symbol each reproducer's case runs as here: what the sanitizer instruments
     status = 0
-    loaded = [load_reproducer(path) for path in paths]
     for repro in loaded:
         use_fault = fault if fault is not None else repro.fault
         if use_fault not in runners:
             runners[use_fault] = _runner(use_fault)
-        result, warnings = replay(repro, runners[use_fault])
+        runner = runners[use_fault]
+        launched = getattr(runner, "launched", [])
+        before = len(launched)
+        result, warnings = replay(repro, runner)
+        kernels.append(result.kernel)
         for warning in warnings:
             click.echo(f"warning: {repro.path}: {warning}", err=True)
-        click.echo(f"{'PASS' if result.ok else 'FAIL'} {repro.path}: {result.describe()}")
-        status = max(status, 0 if result.ok else 1)
+        verdict = "PASS" if result.ok else "ERROR" if result.harness_error else "FAIL"
+        click.echo(f"{verdict} {repro.path}: {result.describe()}")
+        for symbol in dict.fromkeys(launched[before:]):
+            click.echo(LAUNCHED_LINE.format(symbol))
+        status = _status(status, 0 if result.ok else 2 if result.harness_error else 1)
     if sanitizing is not None:
-        status = max(status, _sanitize([(repro.kernel, repro.path) for repro in loaded], sanitizing.jobs))
+        samples = [(kernel, repro.path) for kernel, repro in zip(kernels, loaded)]
+        status = _status(status, _sanitize(samples, sanitizing.jobs, fault))
     return status
 
 
-def _sanitize(samples, jobs: int) -> int:
+def _sanitize(samples, jobs: int, fault) -> int:
     from attngen.fuzz.report import print_table
     from attngen.fuzz.sanitizer import TOOLS, sanitize
 
     click.echo(f"compute-sanitizer: {len(samples)} kernels x {', '.join(TOOLS)}, one process each, {jobs} at a time")
-    results = sanitize(samples, jobs=jobs,
+    results = sanitize(samples, jobs=jobs, fault=fault,
                        on_result=lambda r: click.echo(f"  {r.tool:<9} {r.kernel}: {r.finding or 'clean'}"))
     by_kernel: dict[str, dict[str, str]] = {}
     for r in results:
@@ -225,7 +279,8 @@ def _sanitize(samples, jobs: int) -> int:
                 [[kernel, *(cells.get(tool, "-") for tool in TOOLS)] for kernel, cells in by_kernel.items()])
     dirty = [r for r in results if not r.clean]
     for r in dirty:
-        click.echo(f"\n{r.tool} finding for {r.kernel} ({r.finding}); rerun with:\n  {shlex.join(r.command)}\n"
+        what = "finding" if r.kernel_finding else "harness error (the kernel was not checked)"
+        click.echo(f"\n{r.tool} {what} for {r.kernel} ({r.finding}); rerun with:\n  {shlex.join(r.command)}\n"
                    f"{r.report.excerpt or r.output_tail}")
     click.echo(f"sanitizer: {len(results) - len(dirty)}/{len(results)} runs clean over {len(by_kernel)} kernels")
-    return 1 if dirty else 0
+    return _status(*(1 if r.kernel_finding else 2 for r in dirty))

@@ -3,14 +3,21 @@
 A reproducer is a directory of two files:
   spec.yaml   the spec, readable by attngen.load_spec
   case.json   shape, layout and strides, dtype, scale, the data seed (and a digest of the data it
-              gives), the kernel, the injected fault if any, and the failure
+              gives), the kernel, the injected fault if any, the failure, and where it was
+              written: attngen and torch versions, the exact compile target, GPU and NVRTC
 `attngen fuzz --replay DIR` regenerates the inputs from the seed, runs that one case and exits
-non-zero when it still fails. The fuzzer writes one for a failure it found, and one per sampled
-kernel for the sanitizer, which replays them under compute-sanitizer.
+1 when it still fails. The fuzzer writes one for a failure it found, and one per sampled kernel
+for the sanitizer, which replays them under compute-sanitizer.
+
+Loading recomputes every field case.json derives from the others and from spec.yaml (shapes,
+strides, the effective scale) and rejects a file whose values disagree: it was edited, and would
+replay another case than it describes. A replay on another target, GPU, NVRTC or attngen
+version, or whose regenerated inputs differ, runs with a warning: it may not reproduce.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -24,10 +31,10 @@ import yaml
 import attngen
 from attngen.fuzz.case import FuzzCase, input_digest, strides
 from attngen.fuzz.check import CaseResult, run_case
-from attngen.fuzz.runners import Runner
+from attngen.fuzz.runners import Machine, Runner
 from attngen.spec import load_spec
 
-FORMAT = 1
+FORMAT = 2  # 2: the machine it was written on; guard rows in the padded layout's strides
 SPEC_FILE = "spec.yaml"
 CASE_FILE = "case.json"
 
@@ -55,7 +62,7 @@ def reproducer_dir(root: Path, case: FuzzCase, kernel: str) -> Path:
     return Path(root) / f"{kernel}-{hashlib.sha256(record.encode()).hexdigest()[:8]}"
 
 
-def write_reproducer(directory: Path, case: FuzzCase, *, kernel: str, arch: str, fault: str | None = None,
+def write_reproducer(directory: Path, case: FuzzCase, *, kernel: str, machine: Machine, fault: str | None = None,
                      failure: CaseResult | None = None) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -65,8 +72,8 @@ def write_reproducer(directory: Path, case: FuzzCase, *, kernel: str, arch: str,
         "format": FORMAT,
         "attngen_version": attngen.__version__,
         "torch_version": torch.__version__,
+        "machine": dataclasses.asdict(machine),
         "kernel": kernel,
-        "arch": arch,
         "fault": fault,
         **case_record(case),
         "failure": None if failure is None else {"kind": failure.kind, "detail": failure.detail},
@@ -87,16 +94,21 @@ class Reproducer:
     fault: str | None
     digest: str | None
     failure: dict | None
+    machine: Machine
+    attngen_version: str
+
+
+EXPECTED = f"a directory `attngen fuzz` wrote, with {SPEC_FILE} and {CASE_FILE} in it (or that {CASE_FILE})"
 
 
 def load_reproducer(path: Path) -> Reproducer:
-    """Read a reproducer directory (or its case.json)."""
+    """Read a reproducer directory (or its case.json). ValueError, naming the file, if it is not one."""
     path = Path(path)
     directory = path.parent if path.name == CASE_FILE else path
+    for name in (CASE_FILE, SPEC_FILE):
+        if not (directory / name).is_file():
+            raise ValueError(f"{path}: no {name} there; expected {EXPECTED}")
     case_file = directory / CASE_FILE
-    if not case_file.is_file():
-        raise ValueError(f"--replay {path}: no {CASE_FILE} there; allowed: a directory `attngen fuzz` wrote, "
-                         f"or its {CASE_FILE}")
     try:
         record = json.loads(case_file.read_text())
     except json.JSONDecodeError as exc:
@@ -104,8 +116,8 @@ def load_reproducer(path: Path) -> Reproducer:
     spec = load_spec(directory / SPEC_FILE)
     try:
         case = _case_from_record(record, spec)
-        return Reproducer(directory, case, record["kernel"], record.get("fault"), record["data"].get("sha256"),
-                          record.get("failure"))
+        return Reproducer(directory, case, record["kernel"], record["fault"], record["data"]["sha256"],
+                          record["failure"], Machine(**record["machine"]), record["attngen_version"])
     except KeyError as exc:
         raise ValueError(f"{case_file}: missing field {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
@@ -114,27 +126,53 @@ def load_reproducer(path: Path) -> Reproducer:
 
 def _case_from_record(record: dict, spec) -> FuzzCase:
     if record["format"] != FORMAT:
-        raise ValueError(f"format={record['format']!r} is not supported; allowed: {FORMAT}")
+        raise ValueError(f"format={record['format']!r} is not supported; allowed: {FORMAT} (rerun the fuzz to write "
+                         "a new reproducer)")
     shape, data = record["shape"], record["data"]
     case = FuzzCase(spec, batch=shape["batch"], seq_q=shape["seq_q"], seq_k=shape["seq_k"], heads_kv=shape["heads_kv"],
                     layout=record["layout"]["name"], logit_scale=data["logit_scale"],
                     softmax_scale=record["softmax_scale"], data_seed=data["seed"])
-    # Derived fields must agree with spec.yaml: an edited spec would otherwise replay another case.
-    for name, recorded, actual in (("dtype", record["dtype"], spec.dtype),
-                                   ("shape.head_dim", shape["head_dim"], spec.head_dim),
-                                   ("shape.heads_q", shape["heads_q"], case.heads_q)):
+    # Every derived field must agree with spec.yaml and the fields the case was built from: an edited
+    # file would otherwise replay another case than the one it describes.
+    for name, actual in _leaves(case_record(case)):
+        recorded = _lookup(record, name)
         if recorded != actual:
-            raise ValueError(f"{name}={recorded!r} disagrees with {SPEC_FILE}; allowed: {actual!r}")
+            raise ValueError(f"{name}={recorded!r} disagrees with {SPEC_FILE} and the case's other fields (was the "
+                             f"file edited?); allowed: {actual!r}")
     return case
+
+
+def _leaves(record: dict, prefix: str = ""):
+    for key, value in record.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _lookup(record: dict, dotted: str):
+    value = record
+    for key in dotted.split("."):
+        if not isinstance(value, dict):
+            raise ValueError(f"{dotted} is missing: its parent is not a JSON object")
+        value = value[key]
+    return value
 
 
 def replay(reproducer: Reproducer, runner: Runner) -> tuple[CaseResult, list[str]]:
     """Run the reproducer's case; also return warnings about what differs from when it was written."""
     warnings = []
-    if reproducer.digest is not None and input_digest(reproducer.case) != reproducer.digest:
+    if input_digest(reproducer.case) != reproducer.digest:
         warnings.append(f"the inputs regenerated from seed {reproducer.case.data_seed} differ from the recorded "
                         f"ones (another torch version?): this replay may not reproduce the failure")
     kernel = runner.kernel_name(reproducer.case.spec)
     if kernel != reproducer.kernel:
         warnings.append(f"recorded for kernel {reproducer.kernel}; this GPU runs {kernel} (another arch or fault?)")
+    for name, what in (("target", "compile target"), ("gpu", "GPU"), ("nvrtc", "NVRTC")):
+        recorded, actual = getattr(reproducer.machine, name), getattr(runner.machine, name)
+        if recorded != actual:
+            warnings.append(f"recorded with {what} {recorded}; this replay has {actual}: it may not reproduce")
+    if reproducer.attngen_version != attngen.__version__:
+        warnings.append(f"recorded with attngen {reproducer.attngen_version}; this is attngen {attngen.__version__}: "
+                        "the kernel source may differ")
     return run_case(reproducer.case, runner), warnings

@@ -2,12 +2,22 @@
 and racecheck (shared-memory hazards).
 
 Each (case, tool) pair runs in its own process,
-  compute-sanitizer --tool T --kernel-name kns=<kernel> python -m attngen.cli fuzz --replay DIR
+  compute-sanitizer --tool T --kernel-name kns=<kernel> python -m attngen.cli fuzz --replay DIR [--fault F]
 so a finding belongs to one kernel, a crash takes no other case with it, and only the kernel
-under test is instrumented (the reference's kernels run uninstrumented). torch's caching
-allocator is switched off (PYTORCH_NO_CUDA_MEMORY_CACHING=1) so every tensor is its own
-allocation and memcheck sees an access past its end. A run is clean when the tool printed its
-summary with no errors or hazards and the replay itself passed.
+under test is instrumented (the reference's kernels run uninstrumented). <kernel> is the name
+the caller's runner compiles for the case's spec on this GPU (fault included), not the name a
+reproducer recorded elsewhere. torch's caching allocator is switched off
+(PYTORCH_NO_CUDA_MEMORY_CACHING=1) so every tensor is its own allocation and memcheck sees an
+access past its end.
+
+A filter that matches no launched kernel instruments nothing and still prints a clean summary,
+so the replay prints a `launched kernel <symbol>` line for every kernel it launched
+(LAUNCHED_LINE), and a run is clean only when: the tool printed its summary with no errors or
+hazards, the replay launched the instrumented kernel, and the replay itself passed (exit 0).
+
+Each problem is a kernel finding (errors, hazards, a replay that still fails or crashes, a
+timeout) or a harness error (the replay exited 2: it could not run; no summary: the sanitizer
+did not finish; the kernel never launched: nothing was checked).
 """
 
 from __future__ import annotations
@@ -34,6 +44,9 @@ SANITIZE_MAX_SCORES = 2**21
 _ERROR_SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+) errors?")
 _RACECHECK_SUMMARY = re.compile(r"RACECHECK SUMMARY:\s*(\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
 _QUIET_LINES = re.compile(r"^=+\s*(COMPUTE-SANITIZER|ERROR SUMMARY|RACECHECK SUMMARY|$)")
+LAUNCHED_LINE = "launched kernel {}"  # what a replay prints for each kernel symbol it launched
+_LAUNCHED = re.compile(r"^launched kernel (\S+)$", re.MULTILINE)
+HARNESS_EXIT = 2  # `attngen fuzz --replay` could not run: a usage or harness error, not a kernel finding
 EXCERPT_LINES = 12
 
 
@@ -60,11 +73,13 @@ def find_compute_sanitizer() -> str | None:
     return str(candidate) if candidate is not None and os.access(candidate, os.X_OK) else None
 
 
-def sanitizer_command(sanitizer: str, tool: str, kernel: str, case_dir: Path, python: str = sys.executable) -> list[str]:
+def sanitizer_command(sanitizer: str, tool: str, kernel: str, case_dir: Path, python: str = sys.executable,
+                      fault: str | None = None) -> list[str]:
+    """`fault`: replay with this fault instead of the reproducer's (`attngen fuzz --fault`)."""
     if tool not in TOOLS:
         raise ValueError(f"tool={tool!r} is invalid; allowed: {', '.join(TOOLS)}")
     return [sanitizer, "--tool", tool, "--kernel-name", f"kns={kernel}", "--report-api-errors", "no",
-            python, "-m", "attngen.cli", "fuzz", "--replay", str(case_dir)]
+            python, "-m", "attngen.cli", "fuzz", "--replay", str(case_dir), *(("--fault", fault) if fault else ())]
 
 
 @dataclass(frozen=True)
@@ -73,11 +88,12 @@ class SanitizerReport:
     errors: int
     warnings: int
     excerpt: str  # the first lines of the findings
+    launched: tuple[str, ...] = ()  # the kernel symbols the replay says it launched
 
 
 def parse_report(text: str) -> SanitizerReport:
     """Read memcheck's `ERROR SUMMARY: N errors` and racecheck's `RACECHECK SUMMARY: N hazards
-    displayed (E errors, W warnings)` out of the sanitizer's output."""
+    displayed (E errors, W warnings)` out of the sanitizer's output, and the replay's LAUNCHED_LINEs."""
     errors = [int(m.group(1)) for m in _ERROR_SUMMARY.finditer(text)]
     races = [(int(m.group(2)), int(m.group(3))) for m in _RACECHECK_SUMMARY.finditer(text)]
     findings = [line for line in text.splitlines() if line.startswith("=") and not _QUIET_LINES.match(line)]
@@ -86,6 +102,7 @@ def parse_report(text: str) -> SanitizerReport:
         errors=max(errors + [e for e, _ in races], default=0),
         warnings=max((w for _, w in races), default=0),
         excerpt="\n".join(findings[:EXCERPT_LINES]),
+        launched=tuple(dict.fromkeys(_LAUNCHED.findall(text))),
     )
 
 
@@ -100,29 +117,48 @@ class SanitizerResult:
     output_tail: str = ""
 
     @property
+    def problems(self) -> list[tuple[str, str]]:
+        """(kind, what) for each problem: kind "kernel" (a finding about the kernel) or "harness"
+        (the run could not check the kernel). Empty when the run is clean."""
+        if self.returncode is None:
+            return [("kernel", "timed out")]
+        problems = []
+        if self.returncode == HARNESS_EXIT:
+            problems.append(("harness", f"the replay could not run (exit status {HARNESS_EXIT}: a usage or harness "
+                                        "error, not a kernel finding)"))
+        if not self.report.summary_found:  # the sanitizer did not finish: nothing below is known
+            return problems or [("harness", f"no {self.tool} summary in the output (exit status {self.returncode})")]
+        if self.returncode != HARNESS_EXIT and self.kernel not in self.report.launched:
+            launched = ", ".join(self.report.launched) or "no kernel"
+            problems.append(("harness", f"{self.kernel} never launched, so nothing was instrumented (the replay "
+                                        f"launched {launched})"))
+        if self.report.errors:
+            problems.append(("kernel", f"{self.report.errors} errors"))
+        if self.report.warnings:
+            problems.append(("kernel", f"{self.report.warnings} warnings"))
+        if self.returncode not in (0, HARNESS_EXIT):
+            problems.append(("kernel", f"the replay exited with status {self.returncode}"))
+        return problems
+
+    @property
     def finding(self) -> str:
         """What is wrong, or "" when the run is clean."""
-        if self.returncode is None:
-            return "timed out"
-        if not self.report.summary_found:
-            return f"no {self.tool} summary in the output (exit status {self.returncode})"
-        problems = []
-        if self.report.errors:
-            problems.append(f"{self.report.errors} errors")
-        if self.report.warnings:
-            problems.append(f"{self.report.warnings} warnings")
-        if self.returncode != 0:
-            problems.append(f"the replay exited with status {self.returncode}")
-        return ", ".join(problems)
+        return ", ".join(what for _, what in self.problems)
 
     @property
     def clean(self) -> bool:
-        return not self.finding
+        return not self.problems
+
+    @property
+    def kernel_finding(self) -> bool:
+        return any(kind == "kernel" for kind, _ in self.problems)
 
 
 def sanitize(samples: list[tuple[str, Path]], *, tools=TOOLS, sanitizer: str | None = None, timeout: float = TIMEOUT_S,
-             jobs: int = 1, on_result: Callable[[SanitizerResult], None] | None = None) -> list[SanitizerResult]:
-    """Run every tool over every (kernel, reproducer directory) sample, one process each, `jobs` at a time."""
+             jobs: int = 1, on_result: Callable[[SanitizerResult], None] | None = None,
+             fault: str | None = None) -> list[SanitizerResult]:
+    """Run every tool over every (kernel, reproducer directory) sample, one process each, `jobs` at a time.
+    `kernel` is the symbol the replay launches on this GPU; `fault` overrides the reproducers' faults."""
     sanitizer = sanitizer or find_compute_sanitizer()
     if sanitizer is None:
         raise FileNotFoundError("compute-sanitizer not found: put it on PATH, or nvcc with it beside it "
@@ -131,7 +167,7 @@ def sanitize(samples: list[tuple[str, Path]], *, tools=TOOLS, sanitizer: str | N
 
     def run_one(job) -> SanitizerResult:
         (kernel, case_dir), tool = job
-        command = sanitizer_command(sanitizer, tool, kernel, case_dir)
+        command = sanitizer_command(sanitizer, tool, kernel, case_dir, fault=fault)
         returncode, output = _run(command, env, timeout)
         return SanitizerResult(kernel, tool, case_dir, tuple(command), returncode, parse_report(output),
                                output_tail="\n".join(output.splitlines()[-EXCERPT_LINES:]))

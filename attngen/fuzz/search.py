@@ -7,6 +7,10 @@ within about one case of its budget; a failure found in time is always shrunk.
 A sticky CUDA error (an illegal address, say) makes every later CUDA call in the process fail,
 so shrinking it would "minimise" to whatever case came next: the search stops trying cases and
 reports the case that raised it, unshrunk. Its reproducer replays in a fresh process.
+
+An error in the harness itself (check.HARNESS: out of memory in the reference, say), or any
+other exception the search did not expect, is not a kernel failure: the search stops at once,
+unshrunk, with `harness_error` set and stopped == "harness error".
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import Flaky
 
 from attngen.fuzz.case import FuzzCase
-from attngen.fuzz.check import FAILURE_KINDS, CaseResult, run_case
+from attngen.fuzz.check import FAILURE_KINDS, HARNESS, CaseResult, run_case
 from attngen.fuzz.runners import Runner
 from attngen.fuzz.sanitizer import sample_key
 from attngen.fuzz.strategies import DEFAULT_LIMITS, Limits, fuzz_cases
@@ -35,6 +39,14 @@ class CaseFailed(Exception):
 
 class _BudgetSpent(BaseException):
     """Ends a hypothesis run from inside: like KeyboardInterrupt, hypothesis lets it through unshrunk."""
+
+
+class _HarnessFailed(BaseException):
+    """Ends a hypothesis run from inside, unshrunk: the harness, not the kernel, failed on this case."""
+
+    def __init__(self, result: CaseResult):
+        super().__init__(result.describe())
+        self.result = result
 
 
 # One exception type per failure kind: hypothesis keeps a failure's kind while it shrinks it
@@ -61,10 +73,11 @@ class SearchOutcome:
     cases: int = 0  # cases drawn and run, shrink steps not included
     shrink_steps: int = 0
     seconds: float = 0.0
-    stopped: str = ""  # "examples", "time budget", "failure", "exhausted" or "interrupted"
+    stopped: str = ""  # "examples", "time budget", "failure", "exhausted", "interrupted" or "harness error"
     failure: CaseResult | None = None  # the minimal failing case (or the first, when not shrunk)
     first_failure: CaseResult | None = None
     device_error: CaseResult | None = None  # the case after which the GPU context was unusable
+    harness_error: CaseResult | None = None  # the case on which the harness itself failed (kind HARNESS)
     shrunk: bool = False
     flaky: bool = False  # the failure did not happen again when hypothesis replayed it
     kernels: dict[str, KernelStats] = field(default_factory=dict)
@@ -89,7 +102,8 @@ OnCase = Callable[[CaseResult, SearchOutcome, bool], None]
 
 def search(specs, runner: Runner, *, examples: int, seed: int, time_budget: float | None = None,
            limits: Limits = DEFAULT_LIMITS, on_case: OnCase | None = None) -> SearchOutcome:
-    """Run up to `examples` cases over `specs`; stop early at the time budget or the first failure."""
+    """Run up to `examples` cases over `specs`; stop early at the time budget, the first failure (shrunk)
+    or the first harness error (not shrunk)."""
     if examples < 1:
         raise ValueError(f"examples={examples!r} is invalid; allowed: an integer >= 1")
     if time_budget is not None and not time_budget > 0:
@@ -107,6 +121,8 @@ def search(specs, runner: Runner, *, examples: int, seed: int, time_budget: floa
         outcome.stopped = "interrupted"
     except _BudgetSpent:
         outcome.stopped = "time budget"
+    except _HarnessFailed as exc:
+        outcome.harness_error, outcome.stopped = exc.result, "harness error"
     outcome.seconds = time.monotonic() - start
     if not outcome.stopped:
         # Fewer cases than asked only when hypothesis has tried every case the strategy can draw.
@@ -123,7 +139,13 @@ def _run(strategy, runner, outcome: SearchOutcome, budget_spent: Callable[[], bo
             if budget_spent():
                 raise _BudgetSpent
             outcome.cases += 1
-        result = run_case(case, runner)
+        try:
+            result = run_case(case, runner)
+        except Exception as exc:  # noqa: BLE001 - run_case classifies what it expects; this is a harness bug
+            raise _HarnessFailed(CaseResult(case, case.spec.name, 0.0, HARNESS,
+                                            f"{type(exc).__name__}: {exc}")) from exc
+        if result.harness_error:
+            raise _HarnessFailed(result)
         if shrinking:
             outcome.shrink_steps += 1
         else:

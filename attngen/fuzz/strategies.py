@@ -13,7 +13,8 @@ values (a regime of tile-edge lengths only could not shrink Sk = 15 to 2), and t
 contiguous layout, unit logits and seed 0.
 
 Batch and heads are drawn after the lengths and kept within a budget (the float64 reference
-holds a few B*Hq*Sq*Sk score matrices; inputs are drawn on the CPU), so a case's cost is bounded.
+holds a few B*Hq*Sq*Sk score matrices; each tensor sits in a NaN-guarded buffer), so a case's
+memory is bounded.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 
 from attngen.errors import SpecError
-from attngen.fuzz.case import LAYOUTS, MAX_SEED, FuzzCase
+from attngen.fuzz.case import LAYOUTS, MAX_SEED, FuzzCase, buffer_elements
 from attngen.masks import MASKS
 from attngen.plan import make_plan
 from attngen.spec import BLOCK_MS, BLOCK_NS, DTYPES, HEAD_DIMS, NUM_STAGES, NUM_WARPS, ROWS_PER_WARP, AttentionSpec
@@ -69,7 +70,9 @@ class Limits:
     max_heads_kv: int = 3
     max_heads_q_wide: int = 128  # the many_heads regime
     max_score_elements: int = 2**26  # B * Hq * Sq * Sk; float64: 512 MiB per score matrix
-    max_input_elements: int = 2**25  # B * S * H * D per tensor, drawn on the CPU
+    # Per input or output tensor: its NaN-poisoned buffer (guards and padding included, attngen.fuzz.case),
+    # which also bounds the B * S * H * D values drawn on the CPU.
+    max_input_elements: int = 2**25
 
     def up_to(self, max_seq: int) -> "Limits":
         """These limits with a shorter longest length (a single query then sees up to 4x as many keys)."""
@@ -163,7 +166,8 @@ def _many_heads(draw, spec, tile, limits):
 def _pairs_that_fit(spec, limits, seq_q, seq_k) -> int:
     """How many (batch, kv head) pairs keep a case within the limits' element budgets (at least 1)."""
     scores = spec.gqa_ratio * seq_q * seq_k
-    inputs = spec.gqa_ratio * max(seq_q, seq_k) * spec.head_dim
+    # One pair's buffer in the largest layout; more pairs share the guards, so this is an upper bound.
+    inputs = buffer_elements((1, max(seq_q, seq_k), spec.gqa_ratio, spec.head_dim), "padded")
     return max(1, min(limits.max_score_elements // scores, limits.max_input_elements // inputs))
 
 

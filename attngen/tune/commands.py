@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -69,38 +71,68 @@ def require_gpu() -> None:
         raise SystemExit(2)
 
 
+def check_export_path(path: Path) -> None:
+    """Fail before any tuning when --export cannot be written."""
+    if path.is_dir():
+        why = "it is a directory"
+    elif not path.parent.exists():
+        why = f"directory {path.parent} does not exist"
+    elif not path.parent.is_dir():
+        why = f"{path.parent} is not a directory"
+    elif not os.access(path.parent, os.W_OK):
+        why = f"directory {path.parent} is not writable"
+    else:
+        return
+    raise click.BadParameter(f"{path}: {why}; allowed: a file path in an existing, writable directory",
+                             param_hint="--export")
+
+
 def run_tune(spec_paths: tuple[Path, ...], seqlens: tuple[int, ...], batch_heads: tuple[int, ...], budget: float,
              max_fraction: float, db_path: Path | None, export: Path | None, import_: Path | None, top: int,
-             jobs: int | None) -> None:
+             jobs: int | None, store_narrowed: bool = False) -> None:
     import attngen
     from attngen.tune.db import TuningDB
-    from attngen.tune.report import Progress, print_result
-    from attngen.tune.search import check_search_args
+    from attngen.progress import Progress
+    from attngen.tune.report import print_result
+    from attngen.tune.search import check_narrowed, check_search_args
 
     db = TuningDB(db_path)
     if not spec_paths and export is None and import_ is None:
         raise click.UsageError("give at least one SPEC to tune, or --export/--import")
     check_search_args(budget, max_fraction)
+    if export is not None:
+        check_export_path(export)
     specs = [attngen.load_spec(p) for p in spec_paths]
-    shapes = {id(s): shapes_for(s, seqlens or DEFAULT_SEQLENS, batch_heads) for s in specs}  # errors before timing
+    shapes = [shapes_for(s, seqlens or DEFAULT_SEQLENS, batch_heads) for s in specs]  # errors before timing
+    for spec in specs:
+        check_narrowed(spec, store_narrowed)
     if specs:
         require_gpu()  # before anything is written
     if import_ is not None:
-        click.echo(f"imported {db.import_file(import_)} entries from {import_} into {db.path}")
+        held, written = db.import_file(import_)
+        kept = f" ({held - written} older than the entries already there: not written)" if held - written else ""
+        click.echo(f"imported {held} entries from {import_} into {db.path}{kept}")
     if specs:
         from attngen.tune.search import tune
 
-        total_shapes = sum(len(v) for v in shapes.values())
-        for spec in specs:
-            share = budget * len(shapes[id(spec)]) / total_shapes
-            click.echo(f"tuning {spec.to_dict()} for {len(shapes[id(spec)])} shapes, budget {share:.0f} s, "
+        # One deadline for the whole run: each spec gets its shapes' share of what is left when it
+        # starts, so time one spec overruns (verification included) comes out of the later ones.
+        deadline = time.monotonic() + budget
+        left = sum(len(s) for s in shapes)
+        stored = 0
+        for spec, spec_shapes in zip(specs, shapes):
+            now = time.monotonic()
+            share = max(0.0, deadline - now) * len(spec_shapes) / left
+            left -= len(spec_shapes)
+            click.echo(f"tuning {spec.to_dict()} for {len(spec_shapes)} shapes, {share:.0f} s of the budget left, "
                        f"at most {max_fraction:.0%} of the space per shape", err=True)
-            with Progress() as progress:
-                results = tune(spec, shapes[id(spec)], budget_s=share, max_fraction=max_fraction, db=db, jobs=jobs,
-                               progress=progress)
+            with Progress(stderr=True) as progress:
+                results = tune(spec, spec_shapes, deadline=now + share, max_fraction=max_fraction, db=db, jobs=jobs,
+                               progress=progress, store_narrowed=store_narrowed)
             for result in results:
                 print_result(result, top)
                 sys.stdout.flush()
-        click.echo(f"stored {sum(len(v) for v in shapes.values())} tuned entries in {db.path}")
+            stored += len(results)  # tune() raises when an entry is not stored
+        click.echo(f"stored {stored} tuned entries in {db.path}")
     if export is not None:
         click.echo(f"exported {db.export(export)} entries from {db.path} to {export}")

@@ -3,7 +3,9 @@
 One row per (spec without its tile fields, GPU name, compile target, compiler version,
 sequence-length bucket, batch x heads bucket) holds the winning tile and how it was
 found. WAL journaling lets readers run beside a writer; a busy timeout makes concurrent
-writers wait their turn instead of failing; upserts make a re-tune replace the old row.
+writers wait their turn instead of failing; upserts make a re-tune replace the old row,
+unless the row there is newer (`updated`, compared as a time, not as text). Every entry is
+checked before it is written, whether it comes from the tuner or from an export file.
 
 The default file is <attngen cache dir>/tuning.sqlite3 (the compile cache's root,
 attngen/compiler.py); $ATTNGEN_TUNING_DB or an explicit path overrides it.
@@ -14,8 +16,11 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import json
+import math
 import os
+import re
 import sqlite3
+import threading
 from contextlib import closing
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -56,6 +61,22 @@ CREATE TABLE IF NOT EXISTS tuned (
 
 class TuningDBError(ValueError):
     """The tuning database (or an export file) cannot be read or written; names the file."""
+
+
+# Writes through any TuningDB in this process (attngen.tune.lookup reads it to know its memo is stale).
+_generation = 0
+_generation_lock = threading.Lock()
+
+
+def write_generation() -> int:
+    """A number that changes after every write to any tuning database by this process."""
+    return _generation
+
+
+def _bump_generation() -> None:
+    global _generation
+    with _generation_lock:
+        _generation += 1
 
 
 def default_db_path() -> Path:
@@ -126,14 +147,28 @@ def now_utc() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def normalized_time(value: str) -> str | None:
+    """An ISO 8601 date and time with a UTC offset, as UTC ISO text (e.g. 2026-11-22T10:00:00+00:00);
+    None when `value` is not one (no offset, not a date, not a string)."""
+    try:
+        parsed = _dt.datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        return None
+    if parsed.utcoffset() is None:
+        return None
+    return parsed.astimezone(_dt.timezone.utc).isoformat()
+
+
 _COLUMNS = [f.name for f in fields(TuningKey)] + list(TILE_FIELDS) + [
     f.name for f in fields(TuningEntry) if f.name not in ("key", "tile")]
 # A newer result replaces an older one; importing an older file never overwrites a fresher tune.
+# Times compare as times (julianday), not as text; a stored time that is not one (written before
+# entries were checked) never blocks a write.
 _UPSERT = (
     f"INSERT INTO tuned ({', '.join(_COLUMNS)}) VALUES ({', '.join(':' + c for c in _COLUMNS)}) "
     f"ON CONFLICT ({', '.join(f.name for f in fields(TuningKey))}) DO UPDATE SET "
     + ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS[len(fields(TuningKey)):])
-    + " WHERE excluded.updated >= tuned.updated"
+    + " WHERE julianday(tuned.updated) IS NULL OR julianday(excluded.updated) >= julianday(tuned.updated)"
 )
 
 
@@ -179,13 +214,20 @@ class TuningDB:
         except sqlite3.Error as exc:
             raise TuningDBError(f"tuning database {self.path} is unreadable: {exc}") from exc
 
-    def put(self, *entries: TuningEntry) -> None:
-        """Insert or replace entries, all in one transaction."""
+    def put(self, *entries: TuningEntry) -> int:
+        """Insert or replace entries, all in one transaction; returns how many were written. An entry
+        whose key holds a newer row (by `updated`) is not written. Each entry is checked first."""
+        rows = [_checked_row(e.row(), f"tuning database {self.path}: entry {i}") for i, e in enumerate(entries)]
+        written = 0
         try:
             with closing(self._connect(create=True)) as conn, conn:
-                conn.executemany(_UPSERT, [e.row() for e in entries])
+                for row in rows:
+                    written += conn.execute(_UPSERT, row).rowcount
         except sqlite3.Error as exc:
             raise TuningDBError(f"tuning database {self.path}: write failed: {exc}") from exc
+        finally:
+            _bump_generation()
+        return written
 
     def get(self, key: TuningKey) -> TuningEntry | None:
         where = " AND ".join(f"{f.name} = ?" for f in fields(TuningKey))
@@ -197,18 +239,24 @@ class TuningDB:
 
     # -- moving results between machines ---------------------------------------------------
     def export(self, path: str | Path) -> int:
-        """Write every entry to a JSON file; returns how many."""
+        """Write every entry to a JSON file (a temporary file, then renamed: never half written); returns how many."""
+        path = Path(path)
         entries = self.entries()
         doc = {"format": EXPORT_FORMAT, "version": SCHEMA_VERSION, "entries": [e.row() for e in entries]}
-        Path(path).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise TuningDBError(f"{path}: cannot write the tuning export ({exc.strerror})") from exc
         return len(entries)
 
-    def import_file(self, path: str | Path) -> int:
-        """Merge a file written by export() (all or nothing); returns how many entries it held."""
+    def import_file(self, path: str | Path) -> tuple[int, int]:
+        """Merge a file written by export() (all or nothing): (entries in the file, entries written;
+        the others are older than the rows already here)."""
         entries = read_export(path)
-        if entries:
-            self.put(*entries)
-        return len(entries)
+        return len(entries), self.put(*entries) if entries else 0
 
 
 def read_export(path: str | Path) -> list[TuningEntry]:
@@ -231,6 +279,9 @@ def read_export(path: str | Path) -> list[TuningEntry]:
 
 _TYPES = {"seqlen_bucket": int, "batch_heads_bucket": int, "timed": int, "space": int, "ms": float, "tflops": float,
           **dict.fromkeys(TILE_FIELDS, int)}
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string"}
+ARCH_PATTERN = re.compile(r"sm_\d+a?")
+_TIME_EXAMPLE = "2026-11-22T10:00:00+00:00"
 
 
 def _checked_entry(row, where: str) -> TuningEntry:
@@ -239,19 +290,41 @@ def _checked_entry(row, where: str) -> TuningEntry:
     missing = [c for c in _COLUMNS if c not in row]
     if missing:
         raise TuningDBError(f"{where}: missing field {missing[0]!r}; required: {', '.join(_COLUMNS)}")
+    return TuningEntry.from_row(_checked_row(row, where))
+
+
+def _checked_row(row: dict, where: str) -> dict:
+    """Every column of `row` checked (the error names `where`, the field, the value and what is allowed);
+    the row as stored: ms and tflops as floats, `updated` as UTC ISO text."""
+
+    def check(name: str, ok: bool, allowed: str) -> None:
+        if not ok:
+            raise TuningDBError(f"{where}: {name}={row[name]!r} is invalid; allowed: {allowed}")
+
     for name in _COLUMNS:
         want = _TYPES.get(name, str)
         value = row[name]
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else \
-            isinstance(value, want) and not isinstance(value, bool)
-        if not ok:
-            raise TuningDBError(f"{where}: {name}={value!r} is invalid; allowed: a {want.__name__}")
+        check(name, not isinstance(value, bool) and isinstance(value, (int, float) if want is float else want),
+              _TYPE_NAMES[want])
+    for name in ("seqlen_bucket", "batch_heads_bucket"):
+        check(name, row[name] >= 1 and bucket(row[name]) == row[name], "a power of two >= 1 (a shape bucket)")
+    for name in ("ms", "tflops"):
+        check(name, math.isfinite(row[name]) and row[name] > 0, "a finite number > 0")
+    check("space", row["space"] >= 1, "an integer >= 1")
+    check("timed", 1 <= row["timed"] <= row["space"], f"an integer from 1 to space={row['space']}")
+    check("arch", ARCH_PATTERN.fullmatch(row["arch"]) is not None, "a compile target such as sm_80, sm_90 or sm_90a")
+    for name in ("gpu", "compiler", "shape", "attngen_version"):
+        check(name, bool(row[name].strip()), "a non-empty string")
+    updated = normalized_time(row["updated"])
+    check("updated", updated is not None, f"an ISO 8601 date and time with a UTC offset, e.g. {_TIME_EXAMPLE}")
     try:
         spec = AttentionSpec.from_dict(json.loads(row["spec"]))
-        spec.replace(**{f: row[f] for f in TILE_FIELDS})  # the tile must be one the spec accepts
     except (json.JSONDecodeError, SpecError) as exc:
+        raise TuningDBError(f"{where}: spec={row['spec']!r} is invalid: {exc}") from exc
+    try:
+        spec.replace(**{f: row[f] for f in TILE_FIELDS})  # the tile must be one the spec accepts
+    except SpecError as exc:
         raise TuningDBError(f"{where}: {exc}") from exc
-    if spec_key(spec) != row["spec"]:
-        raise TuningDBError(f"{where}: spec={row['spec']!r} is not a canonical untiled spec key")
-    return TuningEntry.from_row({**{c: row[c] for c in _COLUMNS}, "ms": float(row["ms"]),
-                                 "tflops": float(row["tflops"])})
+    check("spec", spec_key(spec) == row["spec"], "a canonical untiled spec key (attngen.tune.db.spec_key)")
+    return {**{c: row[c] for c in _COLUMNS}, "ms": float(row["ms"]), "tflops": float(row["tflops"]),
+            "updated": updated}

@@ -3,7 +3,10 @@
 A spec that leaves all four tile fields unset gets the tuned tile of the call's shape
 bucket on this GPU, when the tuning database has one; any explicit tile field means no
 lookup. Answers are memoized per (spec, bucket, GPU, database file), so the database is
-read once per shape bucket, not per call. A missing database means the defaults; an
+read once per shape bucket, not per call. An answer is used only while the database is as
+it was when the answer was read: no write by this process since (db.write_generation()),
+and the database file and its WAL file have the same (mtime, size) (writes by other
+processes: `attngen tune` in another shell). A missing database means the defaults; an
 unreadable one means the defaults and one warning: tuning can never break a call.
 """
 
@@ -11,16 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import threading
 import warnings
 
 from attngen.errors import SpecError
 from attngen.plan import make_plan
 from attngen.spec import TILE_FIELDS, AttentionSpec, TileConfig
-from attngen.tune.db import TuningDB, TuningDBError, TuningKey, bucket
+from attngen.tune.db import TuningDB, TuningDBError, TuningKey, bucket, write_generation
 from attngen.tune.model import Shape
 
-_memo: dict[tuple, TileConfig | None] = {}
+# (spec, buckets, GPU, target, compiler, database path) -> (the database's stamp when read, the answer)
+_memo: dict[tuple, tuple[tuple, TileConfig | None]] = {}
 _lock = threading.Lock()
 _warned: set[str] = set()
 
@@ -44,41 +49,53 @@ def compiler_version() -> str:
 
 
 def clear_memo() -> None:
-    """Forget every answer (the tuner calls this after writing the database)."""
+    """Forget every answer (tests; writes through TuningDB need no call: they make answers stale)."""
     with _lock:
         _memo.clear()
 
 
-def _family(target: str) -> str:
-    """The spec arch of a compile target (sm_86 -> sm_80, sm_100 -> sm_90), as runtime._device_arch has it."""
-    return "sm_90" if int(target.removeprefix("sm_").rstrip("a")) >= 90 else "sm_80"
+def _file_state(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
 
 
 def tuned_tile(spec: AttentionSpec, shape: Shape, gpu: str, arch: str, compiler: str,
                db: TuningDB | None = None) -> TileConfig | None:
     """The tuned tile for `spec` on `shape`'s bucket, or None (no entry, or an unusable database)."""
     db = db or TuningDB()
+    path = str(db.path)
     # Cheap to build on every call, unlike the canonical spec key.
     memo_key = (spec, bucket(max(shape.seqlen_q, shape.seqlen_k)), bucket(shape.batch * shape.heads_q), gpu, arch,
-                compiler, str(db.path))
+                compiler, path)
+    # Before the read, so a write after it makes a mismatch. No database file: no WAL worth a stat.
+    main = _file_state(path)
+    files = (main, main and _file_state(path + "-wal"))
     with _lock:
-        if memo_key in _memo:
-            return _memo[memo_key]
+        stamp = (write_generation(), *files)
+        memoized = _memo.get(memo_key)
+        if memoized is not None and memoized[0] == stamp:
+            return memoized[1]
     tile = None
     try:
         entry = db.get(TuningKey.for_shape(spec, shape, gpu, arch, compiler))
         if entry is not None:
+            from attngen.runtime import arch_family
+
             # A tile this spec and today's plan accept (a newer attngen may plan differently), else SpecError.
-            make_plan(spec.replace(**dataclasses.asdict(entry.tile)), _family(arch))
+            make_plan(spec.replace(**dataclasses.asdict(entry.tile)), arch_family(arch))
             tile = entry.tile
     except (TuningDBError, SpecError) as exc:
         with _lock:
-            first = str(db.path) not in _warned
-            _warned.add(str(db.path))
+            first = path not in _warned
+            _warned.add(path)
         if first:
             warnings.warn(f"attngen: ignoring the tuning database: {exc}; using the default tiles", stacklevel=4)
     with _lock:
-        _memo[memo_key] = tile
+        if write_generation() == stamp[0]:  # else this process wrote meanwhile: the answer may be stale
+            _memo[memo_key] = (stamp, tile)
     return tile
 
 

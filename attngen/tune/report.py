@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import fields
 
 from attngen.plan import KernelPlan
+from attngen.progress import console
 from attngen.tune.model import Shape
 from attngen.tune.ranking import Ranked
 
@@ -58,59 +58,6 @@ def _ranks(values: list[float]) -> list[float]:
     return ranks
 
 
-# -- progress -------------------------------------------------------------------------------------
-class Progress:
-    """Progress bars on stderr, one task at a time: rich's when installed, else click's."""
-
-    def __init__(self):
-        self._rich = self._bar = None
-        try:
-            from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn,
-                                       TimeElapsedColumn)
-
-            self._rich = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TimeElapsedColumn(), TextColumn("{task.fields[note]}"),
-                                      console=Console(stderr=True))
-        except ImportError:
-            pass
-
-    def __enter__(self) -> "Progress":
-        if self._rich is not None:
-            self._rich.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._close_bar()
-        if self._rich is not None:
-            self._rich.__exit__(*exc)
-
-    def _close_bar(self) -> None:
-        if self._bar is not None:
-            self._bar.__exit__(None, None, None)
-            self._bar = None
-
-    def task(self, label: str, total: int) -> "_Task":
-        """A new bar of `total` steps (click's: the previous one ends)."""
-        if self._rich is not None:
-            task_id = self._rich.add_task(label, total=total, note="")
-            return _Task(lambda note: self._rich.update(task_id, advance=1, note=note))
-        import click
-
-        self._close_bar()
-        self._bar = bar = click.progressbar(length=total, label=label, file=sys.stderr)
-        bar.__enter__()
-        return _Task(lambda note: bar.update(1))
-
-
-class _Task:
-    def __init__(self, advance_fn):
-        self._advance = advance_fn
-
-    def advance(self, note: str = "") -> None:
-        self._advance(note)
-
-
 # -- tables ---------------------------------------------------------------------------------------
 def _fmt_ms(ms: float | None) -> str:
     return "-" if ms is None or not math.isfinite(ms) else f"{ms:.3f}"
@@ -123,13 +70,6 @@ def _resources(r: Ranked) -> list[str]:
     return [str(report.registers), f"{report.smem_total_bytes / 1024:.1f}",
             f"{report.spill_store_bytes}/{report.spill_load_bytes}",
             f"{occ.ctas} ({occ.warps}w, {occ.limiter})" if occ else "-"]
-
-
-def _console():
-    from rich.console import Console
-
-    # Not a terminal (CI logs, pipes): wide enough that rows are never cut.
-    return Console() if sys.stdout.isatty() else Console(width=220, no_color=True)
 
 
 def print_ranked(ranked: list[Ranked], shape: Shape, title: str) -> None:
@@ -149,7 +89,7 @@ def print_ranked(ranked: list[Ranked], shape: Shape, title: str) -> None:
                       *_resources(r), _fmt_ms(r.predicted_ms if est else None),
                       f"{flops / est.ms / 1e9:.0f}" if est else "-", est.bound if est else "-",
                       "ok" if r.pruned.survives else r.pruned.reason)
-    _console().print(table)
+    console().print(table)
 
 
 def print_result(result, top: int) -> None:
@@ -169,7 +109,7 @@ def print_result(result, top: int) -> None:
         table.add_row(str(i), t.ranked.label, plan_choices(t.ranked.pruned.candidate.plan), *_resources(t.ranked),
                       _fmt_ms(t.ranked.predicted_ms), str(predicted_rank[id(t.ranked)]), _fmt_ms(t.ms),
                       f"{result.tflops(t.ms):.1f}" if t.ok else "-", note)
-    _console().print(table)
+    console().print(table)
     for line in summary_lines(result):
         print(line)
 

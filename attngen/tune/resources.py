@@ -13,6 +13,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+from attngen import nvcc
 from attngen.nvcc import ResourceReport, check_plan
 from attngen.plan import SMEM_LIMIT, make_plan
 from attngen.spec import AttentionSpec
@@ -56,15 +57,20 @@ def process_pool(jobs: int | None) -> ProcessPoolExecutor:
                                mp_context=multiprocessing.get_context("spawn"))
 
 
-# Reports already read in this process: a spec's reports do not change while it runs.
-_reports: dict[tuple[AttentionSpec, str], ResourceReport | str] = {}
+# Reports already read in this process, per nvcc version: a spec's report does not change while
+# it runs. Only reports: a failure may be transient (a full disk, a killed nvcc), so it is retried.
+_reports: dict[tuple[AttentionSpec, str, str], ResourceReport] = {}
 
 
 def compile_reports(candidates: list[Candidate], arch: str, jobs: int | None = None,
                     on_done=None) -> list[ResourceReport | str | None]:
-    """nvcc reports for the launchable candidates, in order (None for unlaunchable ones).
-    `on_done()` is called as each compile finishes (progress bars)."""
-    todo = [c.spec for c in candidates if c.launchable and (c.spec, arch) not in _reports]
+    """nvcc reports for the launchable candidates, in order (None for unlaunchable ones, the
+    first line of the error for those that fail). `on_done()` is called as each compile
+    finishes (progress bars)."""
+    version = nvcc.nvcc_version()
+    found: dict[AttentionSpec, ResourceReport | str] = {
+        c.spec: _reports[c.spec, arch, version] for c in candidates if (c.spec, arch, version) in _reports}
+    todo = [c.spec for c in candidates if c.launchable and c.spec not in found]
     for _ in range(sum(c.launchable for c in candidates) - len(todo)):
         if on_done is not None:
             on_done()
@@ -72,10 +78,12 @@ def compile_reports(candidates: list[Candidate], arch: str, jobs: int | None = N
         with process_pool(min(jobs or os.cpu_count() or 1, len(todo))) as pool:
             futures = {spec: pool.submit(_nvcc_report, spec, arch) for spec in todo}
             for spec, future in futures.items():
-                _reports[spec, arch] = future.result()
+                found[spec] = future.result()
+                if isinstance(found[spec], ResourceReport):
+                    _reports[spec, arch, version] = found[spec]
                 if on_done is not None:
                     on_done()
-    return [_reports[c.spec, arch] if c.launchable else None for c in candidates]
+    return [found[c.spec] if c.launchable else None for c in candidates]
 
 
 def _first_clause(message: str, source: str | None) -> str:

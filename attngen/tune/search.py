@@ -1,13 +1,15 @@
-"""The search on a GPU: time the ranked survivors, best-predicted first, within a budget.
+"""The search on a GPU: time the ranked survivors, best-predicted first, until a deadline.
 
 Per shape, the search times at most `max_fraction` of the launchable space, in the model's
-order, and stops early when its share of the budget is spent (the first candidate is
-always timed, so every shape gets an answer). Kernels are built with NVRTC in worker
-processes while earlier candidates are being timed. Timing is attngen.bench's: CUDA
-events, warm-up, median of repeats, inputs rotated past L2; a candidate whose short
-probe is already far behind the best is not timed further. A candidate that fails to
-build, launch or match the reference times as infinity with the reason; the winner is
-checked against the reference before it is stored.
+order, and stops early when its share of the time left to the deadline is spent (the first
+candidate is always timed, so every shape gets an answer, past the deadline if need be).
+Kernels are built with NVRTC in worker processes while earlier candidates are being timed.
+Timing is attngen.bench's: CUDA events, warm-up, median of repeats, inputs rotated past L2;
+a candidate whose short probe is already far behind the best is not timed further. A
+candidate that fails to build or launch times as infinity with the reason. The winner is
+the fastest candidate that passes the fuzz harness's check (verify()), timed in full (not
+just probed) before it is stored. A sticky CUDA error (an illegal address, say) ends the
+search with a TuneError: it leaves the process's CUDA context unusable.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from attngen.spec import AttentionSpec
+from attngen.errors import is_sticky_cuda_error
+from attngen.spec import TILE_FIELDS, AttentionSpec
 from attngen.tune import lookup
 from attngen.tune.db import TuningDB, TuningEntry, TuningKey, now_utc
 from attngen.tune.model import GpuModel, Shape, gpu_model
@@ -27,12 +30,22 @@ from attngen.tune.space import search_space, untiled
 PROBE_REPEATS = 3
 # A probe this much slower than the best so far cannot win: its probe time is its time.
 PROBE_CUTOFF = 1.5
-# An odd length exercises ragged query and key blocks; small enough for the float64 reference.
+DEFAULT_BUDGET_S = 300.0
+# A length no tile divides exercises ragged query and key blocks; small enough for the float64 reference.
 VERIFY_SEQLEN = 1000
+VERIFY_KV_HEADS = 2
 
 
 class TuneError(ValueError):
-    """The search cannot produce an answer (nothing survives pruning, everything failed)."""
+    """The search cannot produce or store an answer (nothing survives pruning, everything failed,
+    a sticky CUDA error, a newer entry in the database, a narrowed spec)."""
+
+
+def sticky_error(config: str, stage: str, error: str) -> TuneError:
+    return TuneError(f"{config}: a sticky CUDA error while {stage}: {error}. It leaves this process's CUDA context "
+                     "unusable (every later launch fails too), so the search stops here; entries stored before it "
+                     "are kept. The process must restart to use the GPU again, and this config's kernel has a bug: "
+                     "it will fail the same way")
 
 
 @dataclass
@@ -109,75 +122,110 @@ def input_sets(spec: AttentionSpec, shape: Shape):
 
 
 def verify(spec: AttentionSpec) -> str | None:
-    """None when `spec`'s kernel matches the reference on a small odd-length problem, else why not."""
-    import torch
+    """None when `spec`'s kernel passes the fuzz harness's check on one case, else why not. The
+    outputs start as NaN inside guarded buffers (a kernel that skips a write or writes outside its
+    output fails), the layout is padded (strides that do not follow from the shape), and the
+    length is one no tile divides."""
+    from attngen.fuzz.case import FuzzCase
+    from attngen.fuzz.check import run_case
+    from attngen.fuzz.runners import KernelRunner
 
+    case = FuzzCase(spec, batch=1, seq_q=VERIFY_SEQLEN, seq_k=VERIFY_SEQLEN, heads_kv=VERIFY_KV_HEADS, layout="padded")
+    try:
+        result = run_case(case, KernelRunner())
+    except Exception as exc:
+        if is_sticky_cuda_error(f"{type(exc).__name__}: {exc}"):
+            raise sticky_error(spec.tile.label(), "verifying it", describe_error(exc)) from exc
+        raise
+    if result.ok:
+        return None
+    if result.kind == "device":
+        raise sticky_error(spec.tile.label(), "verifying it", result.detail)
+    return f"failed verification ({result.kind}): {result.detail}"
+
+
+def _time(timing: Timing, sets, best_ms: float) -> None:
+    """Time `timing`'s kernel into it (a probe only when that is far behind `best_ms`); a failure is its error."""
     import attngen
-    from attngen import reference, tolerance
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    dtype = reference.SPEC_DTYPES[spec.dtype]
-
-    def rand(heads):
-        return torch.randn(1, VERIFY_SEQLEN, heads, spec.head_dim, generator=gen, device="cuda").to(dtype)
-
-    q, k, v = rand(2 * spec.gqa_ratio), rand(2), rand(2)
-    out, lse = attngen.compile(spec)(q, k, v)
-    ref, ref_lse = reference.attention_for_spec(q, k, v, spec, return_lse=True)
-    bad = tolerance.check_output(out, ref, q, k, v, spec.dtype, spec.effective_scale) or \
-        tolerance.check_lse(lse, ref_lse, q, k, spec.effective_scale)
-    return None if bad is None else f"wrong output: {bad}"
+    try:
+        kernel = attngen.compile(timing.ranked.spec)
+        timing.ms, timing.probe_only = measure(lambda q, k, v: kernel(q, k, v), sets, best_ms)
+    except Exception as exc:  # noqa: BLE001 - a launch failure is recorded, never a crash
+        timing.ms, timing.error = math.inf, describe_error(exc)
+        if is_sticky_cuda_error(f"{type(exc).__name__}: {exc}"):
+            raise sticky_error(timing.ranked.label, "timing it", timing.error) from exc
 
 
 def time_candidates(todo: list[Ranked], shape: Shape, target: str, deadline: float, jobs: int | None,
-                     on_timed=None) -> tuple[list[Timing], bool]:
+                    on_timed=None) -> tuple[list[Timing], bool]:
     """Timings of `todo` in order, and whether the deadline cut the list short."""
-    import attngen
-
     sets = input_sets(todo[0].spec, shape)
     timings: list[Timing] = []
     out_of_time = False
     best = math.inf
     with process_pool(jobs) as pool:
         builds = [pool.submit(_nvrtc_binary, r.spec, r.pruned.candidate.plan.arch, target) for r in todo]
-        for i, (r, build) in enumerate(zip(todo, builds)):
-            if i > 0 and time.monotonic() > deadline:
-                out_of_time = True
-                break
-            error = build.result()
-            timing = Timing(r, math.inf, error)
-            if error is None:
-                try:
-                    kernel = attngen.compile(r.spec)
-                    timing.ms, timing.probe_only = measure(lambda q, k, v: kernel(q, k, v), sets, best)
+        try:
+            for i, (r, build) in enumerate(zip(todo, builds)):
+                if i > 0 and time.monotonic() > deadline:
+                    out_of_time = True
+                    break
+                timing = Timing(r, math.inf, build.result())
+                if timing.error is None:
+                    _time(timing, sets, best)
                     best = min(best, timing.ms)
-                except Exception as exc:  # noqa: BLE001 - a launch failure is recorded, never a crash
-                    timing.error = describe_error(exc)
-            timings.append(timing)
-            if on_timed is not None:
-                on_timed(timing, best)
-        for build in builds:
-            build.cancel()
+                timings.append(timing)
+                if on_timed is not None:
+                    on_timed(timing, best)
+        finally:
+            for build in builds:  # the pool's exit waits for builds still queued
+                build.cancel()
     del sets
     return timings, out_of_time
 
 
-def verified_winner(timings: list[Timing]) -> Timing | None:
-    """The fastest timing whose kernel matches the reference; wrong ones become infinite."""
-    for timing in sorted((t for t in timings if t.ok), key=lambda t: t.ms):
-        error = verify(timing.ranked.spec)
+def verified_winner(timings: list[Timing], shape: Shape) -> Timing | None:
+    """The fastest timing whose kernel passes verify(), timed in full; wrong ones become infinite.
+
+    A probe-only time can come first: its probe was cut off by a faster candidate that then
+    failed verification. It is timed again in full before it can win.
+    """
+    sets = None
+    while True:
+        ok = [t for t in timings if t.ok]
+        if not ok:
+            return None
+        first = min(ok, key=lambda t: t.ms)
+        if first.probe_only:
+            sets = input_sets(first.ranked.spec, shape) if sets is None else sets
+            _time(first, sets, math.inf)
+            continue
+        error = verify(first.ranked.spec)
         if error is None:
-            return timing
-        timing.ms, timing.error = math.inf, error
-    return None
+            return first
+        first.ms, first.error = math.inf, error
 
 
 # -- the whole search ---------------------------------------------------------------------------
-def check_search_args(budget_s: float, max_fraction: float) -> None:
-    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
+def check_search_args(budget_s: float | None, max_fraction: float) -> None:
+    if budget_s is not None and (isinstance(budget_s, bool) or not isinstance(budget_s, (int, float))
+                                 or not budget_s > 0):
         raise ValueError(f"budget={budget_s!r} is invalid; allowed: seconds > 0")
     if isinstance(max_fraction, bool) or not isinstance(max_fraction, (int, float)) or not 0 < max_fraction <= 1:
         raise ValueError(f"max_fraction={max_fraction!r} is invalid; allowed: a number in (0, 1]")
+
+
+def check_narrowed(spec: AttentionSpec, store_narrowed: bool) -> None:
+    """A spec that pins tile fields searches part of the space, yet its winner would be stored under
+    the untiled key that every untiled call reads: only when asked to."""
+    pinned = {f: getattr(spec, f) for f in TILE_FIELDS if getattr(spec, f) is not None}
+    if pinned and not store_narrowed:
+        spelled = ", ".join(f"{k}={v}" for k, v in pinned.items())
+        raise TuneError(f"{spec.source or spec.to_dict()}: pins {spelled}, so only part of the tile space would be "
+                        "searched, yet the winner would be stored for every untiled call of the spec; allowed: a "
+                        "spec with no tile field set (the whole space), or --store-narrowed (store_narrowed=True) "
+                        "to store the narrowed winner anyway")
 
 
 def device_gpu_model(device: int) -> GpuModel:
@@ -191,28 +239,36 @@ def device_gpu_model(device: int) -> GpuModel:
                                                           props.multi_processor_count)
 
 
-def tune(spec: AttentionSpec, shapes: list[Shape], *, budget_s: float = 300.0, max_fraction: float = 0.3,
-         db: TuningDB | None = None, jobs: int | None = None, progress=None) -> list[ShapeResult]:
+def tune(spec: AttentionSpec, shapes: list[Shape], *, deadline: float | None = None, max_fraction: float = 0.3,
+         db: TuningDB | None = None, jobs: int | None = None, progress=None,
+         store_narrowed: bool = False) -> list[ShapeResult]:
     """Search the tile space of `spec` for each shape on the current GPU and store each winner.
 
-    `budget_s` bounds the whole call (building included), shared evenly by the shapes still
-    to do; `max_fraction` bounds how much of the space one shape may time. Tile fields the
-    spec pins narrow the space. Results go to `db` (default: the default database).
-    `progress`, if given, is an attngen.tune.report.Progress.
+    `deadline` (a time.monotonic() value; default: DEFAULT_BUDGET_S from now) bounds the whole
+    call, building, timing and verification included: each shape gets an even share of the time
+    left when it starts, so an overrun comes out of the shapes after it. The first config of
+    every shape is timed even past the deadline. `max_fraction` bounds how much of the space one
+    shape may time. A spec that pins tile fields narrows the space; its winner is stored (under
+    the untiled key) only with `store_narrowed`. Results go to `db` (default: the default
+    database); a result the database does not take (it holds a newer entry) is a TuneError.
+    `progress`, if given, is an attngen.progress.Progress.
     """
     import torch
 
     from attngen.nvcc import find_nvcc
 
-    check_search_args(budget_s, max_fraction)
+    check_search_args(None, max_fraction)
+    deadline = time.monotonic() + DEFAULT_BUDGET_S if deadline is None else deadline
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or math.isnan(deadline):
+        raise ValueError(f"deadline={deadline!r} is invalid; allowed: a time.monotonic() value in seconds")
     if not shapes:
         raise ValueError("shapes is empty; allowed: at least one Shape")
+    check_narrowed(spec, store_narrowed)
     if not torch.cuda.is_available():
         raise TuneError("attngen tune needs a CUDA GPU; torch.cuda.is_available() is False")
     if find_nvcc() is None:
         raise TuneError("attngen tune needs nvcc (PATH or $CUDA_HOME/bin) for the resource report")
     db = db or TuningDB()
-    start = time.monotonic()
     device = torch.cuda.current_device()
     gpu = device_gpu_model(device)
     gpu_name, target = lookup.device_identity(device)
@@ -223,13 +279,23 @@ def tune(spec: AttentionSpec, shapes: list[Shape], *, budget_s: float = 300.0, m
     results = []
     for i, shape in enumerate(shapes):
         now = time.monotonic()
-        deadline = now + (budget_s - (now - start)) / (len(shapes) - i)  # an even share of what is left
-        result = _search_shape(spec, shape, pruned, gpu, target, deadline, max_fraction, jobs, progress)
+        share = now + max(0.0, deadline - now) / (len(shapes) - i)  # an even share of what is left
+        result = _search_shape(spec, shape, pruned, gpu, target, share, max_fraction, jobs, progress)
         result.entry = _entry(result, gpu_name, target)
-        db.put(result.entry)
-        lookup.clear_memo()
+        _store(db, result.entry)
         results.append(result)
     return results
+
+
+def _store(db: TuningDB, entry: TuningEntry) -> None:
+    if db.put(entry):
+        return
+    there = db.get(entry.key)
+    held = f"{there.tile.label()}, updated {there.updated}" if there is not None else "updated later than this one"
+    raise TuneError(f"{db.path}: this run's winner for {entry.shape} ({entry.tile.label()}, {entry.ms:.4g} ms, updated "
+                    f"{entry.updated}) was not stored: the database holds a newer entry for its key ({held}), "
+                    "and an older result never replaces a newer one. The newer entry came from another tune run, "
+                    "or from an --import of a machine whose clock is ahead")
 
 
 def _search_shape(spec: AttentionSpec, shape: Shape, pruned, gpu: GpuModel, target: str, deadline: float,
@@ -249,13 +315,13 @@ def _search_shape(spec: AttentionSpec, shape: Shape, pruned, gpu: GpuModel, targ
             task.advance(f"best {flops / best / 1e9:.0f} TFLOP/s" if math.isfinite(best) else "")
 
     timings, out_of_time = time_candidates(todo, shape, target, deadline, jobs, on_timed)
-    stopped_by = "budget" if out_of_time else "survivors" if len(alive) <= limit else "max fraction"
-    result = ShapeResult(untiled(spec), shape, gpu, ranked, timings, limit, stopped_by, time.monotonic() - start)
-    result.winner = verified_winner(timings)
-    if result.winner is None:
+    winner = verified_winner(timings, shape)
+    if winner is None:
         reasons = "; ".join(f"{t.ranked.label}: {t.error}" for t in timings[:3])
         raise TuneError(f"every timed configuration of {spec.to_dict()} on {shape.label()} failed: {reasons}")
-    return result
+    stopped_by = "budget" if out_of_time else "survivors" if len(alive) <= limit else "max fraction"
+    return ShapeResult(untiled(spec), shape, gpu, ranked, timings, limit, stopped_by, time.monotonic() - start,
+                       winner)
 
 
 def _entry(result: ShapeResult, gpu_name: str, target: str) -> TuningEntry:
