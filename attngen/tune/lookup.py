@@ -109,4 +109,11 @@ def tuned_spec(spec: AttentionSpec, q_shape, k_shape, device: int) -> AttentionS
     shape = Shape(batch=q_shape[0], seqlen_q=q_shape[1], seqlen_k=k_shape[1], heads_q=q_shape[2])
     gpu, arch = device_identity(device)
     tile = tuned_tile(spec, shape, gpu, arch, compiler_version())
-    return spec if tile is None else spec.replace(**dataclasses.asdict(tile))
+    return spec if tile is None else _with_tile(spec, spec.source, tile)
+
+
+@functools.lru_cache(maxsize=1024)
+def _with_tile(spec: AttentionSpec, source: str | None, tile: TileConfig) -> AttentionSpec:
+    # Revalidating a spec costs ~10 us and attention() asks for the same few on every call.
+    # `source` is in the key because specs compare equal whatever file they came from.
+    return spec.replace(**dataclasses.asdict(tile))
