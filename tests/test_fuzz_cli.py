@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -103,29 +102,6 @@ def test_builtin_and_random_specs(runners):
     assert f"attngen fuzz: {len(BUILTIN_SPECS) + 4} specs" in result.output
 
 
-FAKE_SANITIZER = """#!/usr/bin/env bash
-# Logs its arguments, prints the replay's launched-kernel line (the kernel its filter names, or
-# FAKE_LAUNCHED) and the tool's summary, and exits like the replay would (FAKE_EXIT).
-echo "$*" >> "$(dirname "$0")/sanitizer-calls.log"
-echo "launched kernel ${FAKE_LAUNCHED:-${4#kns=}}"
-if [ "$2" = memcheck ]; then echo "========= ERROR SUMMARY: ${FAKE_ERRORS:-0} errors"; fi
-if [ "$2" = racecheck ]; then echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"; fi
-exit "${FAKE_EXIT:-0}"
-"""
-
-
-@pytest.fixture
-def fake_sanitizer(tmp_path, monkeypatch):
-    """A stand-in compute-sanitizer on PATH; returns the log of the command lines it was run with."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "compute-sanitizer"
-    fake.write_text(FAKE_SANITIZER)
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    return bin_dir / "sanitizer-calls.log"
-
-
 @pytest.mark.parametrize("errors, exit_code", [(0, 0), (3, 1)])
 def test_sanitize_replays_one_case_per_kernel(runners, spec_file, tmp_path, monkeypatch, fake_sanitizer, errors,
                                               exit_code):
@@ -169,7 +145,7 @@ def test_missing_spec_and_reproducer_files_are_usage_errors(runners, tmp_path):
 def test_a_bad_replay_path_under_sanitize_is_a_usage_error_not_a_kernel_finding(runners, tmp_path, fake_sanitizer):
     result = fuzz("--replay", tmp_path / "missing", "--sanitize")
     assert result.exit_code == 2 and "no case.json there" in result.output
-    assert not fake_sanitizer.exists()  # no sanitizer run to misreport
+    assert not fake_sanitizer.calls.exists()  # no sanitizer run to misreport
 
 
 def _reproducer(runners, spec_file, tmp_path) -> Path:
@@ -211,7 +187,7 @@ def test_replay_sanitize_instruments_the_kernel_this_gpu_runs_and_passes_the_fau
     assert result.exit_code == 0, result.output
     assert "recorded for kernel fwd_compiled_on_another_gpu; this GPU runs " + faulty in result.output
     assert f"launched kernel {faulty}" in result.output  # what a replay under the sanitizer prints
-    calls = fake_sanitizer.read_text().splitlines()
+    calls = fake_sanitizer.calls.read_text().splitlines()
     assert len(calls) == 2 and all(f"kns={faulty} " in c and c.endswith(f"--replay {path} --fault {FAULT}")
                                    for c in calls)
 

@@ -3,8 +3,6 @@ picks, and the whole subprocess path against a stand-in compute-sanitizer script
 
 from __future__ import annotations
 
-import os
-import stat
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -122,31 +120,8 @@ def test_choose_samples_takes_kernels_with_a_passing_case_in_name_order():
     assert [s.kernel for s in choose_samples(stats, 10)] == ["a", "b", "d"]
 
 
-FAKE_SANITIZER = """#!/usr/bin/env bash
-# Stands in for compute-sanitizer: echoes what it was given, the replay's launched-kernel line
-# (the kernel its filter names, or FAKE_LAUNCHED) and prints the tool's summary.
-echo "args: $*"
-echo "caching off: $PYTORCH_NO_CUDA_MEMORY_CACHING"
-echo "launched kernel ${FAKE_LAUNCHED:-${4#kns=}}"
-sleep "${FAKE_SLEEP:-0}"
-if [ "$2" = memcheck ]; then echo "========= ERROR SUMMARY: ${FAKE_ERRORS:-0} errors"; fi
-if [ "$2" = racecheck ]; then echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"; fi
-exit "${FAKE_EXIT:-0}"
-"""
-
-
-@pytest.fixture
-def fake_sanitizer(tmp_path, monkeypatch):
-    path = tmp_path / "bin" / "compute-sanitizer"
-    path.parent.mkdir()
-    path.write_text(FAKE_SANITIZER)
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("PATH", f"{path.parent}{os.pathsep}{os.environ['PATH']}")
-    return path
-
-
 def test_compute_sanitizer_is_found_on_path(fake_sanitizer):
-    assert sanitizer.find_compute_sanitizer() == str(fake_sanitizer)
+    assert sanitizer.find_compute_sanitizer() == str(fake_sanitizer.path)
 
 
 def test_sanitize_runs_every_tool_per_sample_in_its_own_process(fake_sanitizer, tmp_path):
