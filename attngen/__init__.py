@@ -1,30 +1,31 @@
-"""attngen: FlashAttention kernels compiled from declarative specs."""
+"""attngen: FlashAttention kernels compiled from declarative specs.
+
+    attngen.attention(q, k, v, mask="causal")          # the front door (a torch custom op)
+    attngen.AttentionSpec(head_dim=128, mask="causal")  # pin everything: problem, family, config, arch
+    attngen.compile(spec)                               # a loaded kernel for the current GPU
+    attngen.families.FAMILIES                           # the kernel families, in order of preference
+"""
 
 import importlib
 
-from attngen.errors import CompileError, SpecError
-from attngen.spec import AttentionSpec, load_spec
+from attngen.api import attention, register
+from attngen.errors import CompileError, MissingDependency, SpecError
+from attngen.spec import AttentionSpec, Problem, load_spec
 
-__all__ = ["AttentionSpec", "CompileError", "SpecError", "attention", "compile", "load_spec", "reference"]
-__version__ = "0.1.0"
-
-
-def attention(q, k, v, spec, *, softmax_scale=None, return_lse=False):
-    """FlashAttention forward on torch CUDA tensors or CuPy arrays; see attngen.runtime.attention."""
-    from attngen.runtime import attention as _attention
-
-    return _attention(q, k, v, spec, softmax_scale=softmax_scale, return_lse=return_lse)
+__all__ = ["AttentionSpec", "CompileError", "MissingDependency", "Problem", "SpecError", "attention", "compile",
+           "families", "load_spec", "reference", "register"]
+__version__ = "0.2.0"
 
 
 def compile(spec, device=None, *, fault=None):  # noqa: A001 - the public name mirrors torch.compile
-    """Render, compile (disk-cached) and load a spec's kernel; see attngen.runtime.compile."""
-    from attngen.runtime import compile as _compile
+    """Plan, build (disk-cached) and load a spec's kernel for a GPU; see attngen.runtime.dispatch.compile."""
+    from attngen.runtime.dispatch import compile as _compile
 
     return _compile(spec, device, fault=fault)
 
 
 def __getattr__(name):
-    # The reference needs torch; import it only when used so `attngen generate` needs neither.
-    if name == "reference":
-        return importlib.import_module("attngen.reference")
+    # Import on use: the reference needs torch, and `attngen generate` needs neither it nor CuPy.
+    if name in ("reference", "families", "tolerance"):
+        return importlib.import_module(f"attngen.{name}")
     raise AttributeError(f"module 'attngen' has no attribute {name!r}")

@@ -1,9 +1,12 @@
 """Forward benchmark in the FlashAttention papers' setup, against peers in the same process.
 
 bf16; batch * seqlen = 16k tokens; hidden 2048 (heads = 2048 / head_dim); d64 and d128;
-causal and not; seqlen 512 ... 16k. Peers: torch SDPA's flash (FlashAttention-2) and
-cuDNN backends and torch.compile(flex_attention). Timing: CUDA events around each call,
-warm-up first, median of repeats, inputs rotated so the working set exceeds L2.
+causal and not; seqlen 512 ... 16k; plus d256 at 16k and GQA 32/8 d128 causal at 8k. attngen
+runs as users get it (the preferred family for the GPU, its default config) and with the
+fwd_sm80 family forced. Peers: torch SDPA's flash (FlashAttention-2) and cuDNN backends and
+torch.compile(flex_attention). Timing: CUDA events around each call, warm-up first, median of
+repeats, inputs rotated so the working set exceeds L2. Launch overhead: wall time per call at
+tiny shapes, attngen's front door against SDPA flash.
 """
 
 from __future__ import annotations
@@ -19,8 +22,13 @@ HIDDEN = 2048
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_SEQLENS = (1024, 4096, 16384)
 HEAD_DIMS = (64, 128)
+# (head dim, causal, seqlen, query heads per kv head): the Hopper issue's extra cells.
+EXTRA = ((256, False, 16384, 1), (256, True, 16384, 1), (128, True, 8192, 4))
 WARMUP = 5
 REPEATS = 30
+# Launch overhead: (batch, seqlen, heads, head dim) at which the kernel itself takes microseconds.
+OVERHEAD_SHAPES = ((1, 128, 8, 64), (1, 1024, 8, 64))
+OVERHEAD_CALLS = 2000
 
 
 @dataclass
@@ -32,11 +40,8 @@ class Row:
     heads: int
     tflops: dict  # impl -> TFLOP/s (None when the impl is unavailable or failed)
     errors: dict  # impl -> reason it has no number
-
-
-def fwd_flops(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool) -> float:
-    flops = 4.0 * batch * heads * seqlen * seqlen * head_dim
-    return flops / 2 if causal else flops
+    kv_heads: int = 0
+    kernels: dict = None  # attngen impl -> the kernel (plan name) it ran
 
 
 def time_ms(fn, input_sets, warmup: int = WARMUP, repeats: int = REPEATS) -> float:
@@ -56,7 +61,7 @@ def time_ms(fn, input_sets, warmup: int = WARMUP, repeats: int = REPEATS) -> flo
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def _input_sets(batch, seqlen, heads, head_dim, dtype="bfloat16", kv_heads=None):
+def input_sets(batch, seqlen, heads, head_dim, dtype="bfloat16", kv_heads=None):
     """(q, k, v) sets, enough of them that cycling through them exceeds L2 twice over."""
     import torch
 
@@ -71,7 +76,7 @@ def _input_sets(batch, seqlen, heads, head_dim, dtype="bfloat16", kv_heads=None)
     return [(rand(heads), rand(kv_heads), rand(kv_heads)) for _ in range(count)]
 
 
-def _implementations(head_dim: int, causal: bool, seqlen: int):
+def _implementations(head_dim: int, causal: bool, seqlen: int, gqa_ratio: int = 1):
     """name -> callable(q, k, v) over BSHD tensors; peers get BHSD views (no copies)."""
     import torch
     import torch.nn.functional as F
@@ -80,15 +85,15 @@ def _implementations(head_dim: int, causal: bool, seqlen: int):
     import attngen
     from attngen.spec import AttentionSpec
 
-    spec = AttentionSpec(head_dim=head_dim, dtype="bf16", mask="causal" if causal else "none")
-    kernel = attngen.compile(spec)
-    impls = {"attngen": lambda q, k, v: kernel(q, k, v)[0]}
+    spec = AttentionSpec(head_dim=head_dim, dtype="bf16", mask="causal" if causal else "none", gqa_ratio=gqa_ratio)
+    kernels = {"attngen": attngen.compile(spec), "attngen_sm80": attngen.compile(spec.replace(family="fwd_sm80"))}
+    impls = {name: (lambda kernel: lambda q, k, v: kernel(q, k, v)[0])(kernel) for name, kernel in kernels.items()}
 
     def sdpa(backend):
         def run(q, k, v):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                      is_causal=causal)
+                                                      is_causal=causal, enable_gqa=gqa_ratio > 1)
         return run
 
     impls["sdpa_flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
@@ -104,27 +109,30 @@ def _implementations(head_dim: int, causal: bool, seqlen: int):
     if causal:
         block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, seqlen, seqlen, device="cuda")
     impls["flex"] = lambda q, k, v: flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         block_mask=block_mask)
-    return impls, spec
+                                         block_mask=block_mask, enable_gqa=gqa_ratio > 1)
+    return impls, spec, {name: kernel.plan.name for name, kernel in kernels.items()}
 
 
-def bench_config(head_dim: int, causal: bool, seqlen: int) -> Row:
+def bench_config(head_dim: int, causal: bool, seqlen: int, gqa_ratio: int = 1) -> Row:
     import torch
 
     from attngen import reference, tolerance
+    from attngen.flops import forward_flops
 
-    batch, heads = TOKENS // seqlen, HIDDEN // head_dim
-    sets = _input_sets(batch, seqlen, heads, head_dim)
-    impls, spec = _implementations(head_dim, causal, seqlen)
-    flops = fwd_flops(batch, heads, seqlen, head_dim, causal)
-    row = Row(head_dim, causal, seqlen, batch, heads, {}, {})
+    batch, heads = TOKENS // seqlen, HIDDEN // head_dim * (2 if gqa_ratio > 1 else 1)
+    kv_heads = heads // gqa_ratio
+    sets = input_sets(batch, seqlen, heads, head_dim, kv_heads=kv_heads)
+    impls, spec, kernels = _implementations(head_dim, causal, seqlen, gqa_ratio)
+    flops = forward_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+    row = Row(head_dim, causal, seqlen, batch, heads, {}, {}, kv_heads, kernels)
     # A fast wrong kernel is worthless: check attngen on a slice of the benchmark's own inputs.
-    q, k, v = (x[:1, :, :2] for x in sets[0])
-    mismatch = tolerance.check_output(impls["attngen"](q, k, v), reference.attention_for_spec(q, k, v, spec),
-                                      q, k, v, "bf16", spec.effective_scale)
-    if mismatch is not None:
-        raise AssertionError(f"attngen output wrong in benchmark config d{head_dim} causal={causal} s{seqlen}: "
-                             f"{mismatch}")
+    q, k, v = sets[0][0][:1, :, :gqa_ratio], sets[0][1][:1, :, :1], sets[0][2][:1, :, :1]
+    for name in kernels:
+        mismatch = tolerance.check_output(impls[name](q, k, v), reference.attention_for_spec(q, k, v, spec),
+                                          q, k, v, "bf16", spec.effective_scale)
+        if mismatch is not None:
+            raise AssertionError(f"{name} output wrong in benchmark config d{head_dim} causal={causal} s{seqlen}: "
+                                 f"{mismatch}")
     for name, fn in impls.items():
         try:
             ms = time_ms(fn, sets)
@@ -144,6 +152,8 @@ def run_bench(out_dir: Path, quick: bool = False) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
     seqlens = QUICK_SEQLENS if quick else SEQLENS
     rows = [bench_config(d, c, s) for d in HEAD_DIMS for c in (False, True) for s in seqlens]
+    rows += [bench_config(d, c, s, g) for d, c, s, g in EXTRA]
+    overhead = launch_overhead()
     props = torch.cuda.get_device_properties(0)
     meta = {
         "gpu": props.name,
@@ -155,10 +165,70 @@ def run_bench(out_dir: Path, quick: bool = False) -> list[dict]:
                  f"median of {REPEATS} CUDA-event timings after {WARMUP} warm-ups, inputs rotated past L2",
     }
     stem = f"fwd-{_slug(props.name)}-{meta['date']}" + ("-quick" if quick else "")
-    (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+    (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows],
+                                                      "launch_overhead": overhead}, indent=1))
     _plot(rows, meta, out_dir / f"{stem}.png")
     _print_table(rows, meta)
+    _print_overhead(overhead)
     return [asdict(r) for r in rows]
+
+
+def launch_overhead() -> list[dict]:
+    """Microseconds of host wall time per call at tiny shapes (the kernels take a few microseconds),
+    CUDA-synchronised once per OVERHEAD_CALLS calls: attngen's front door (eager direct path and
+    through the torch op), a compiled kernel called directly, and SDPA flash."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import attngen
+    from attngen import api
+    from attngen.spec import AttentionSpec
+
+    results = []
+    for batch, seqlen, heads, head_dim in OVERHEAD_SHAPES:
+        q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        kernel = attngen.compile(AttentionSpec(head_dim=head_dim, mask="causal"))
+
+        def sdpa():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+        def op_path():
+            api.EAGER_DIRECT = False
+            try:
+                return attngen.attention(q, k, v, mask="causal")
+            finally:
+                api.EAGER_DIRECT = True
+
+        impls = {"attngen": lambda: attngen.attention(q, k, v, mask="causal"), "attngen_op": op_path,
+                 "kernel_call": lambda: kernel(q, k, v), "sdpa_flash": sdpa}
+        row = {"shape": [batch, seqlen, heads, head_dim], "us_per_call": {}}
+        with torch.no_grad():
+            for name, fn in impls.items():
+                for _ in range(50):
+                    fn()
+                torch.cuda.synchronize()
+                best = float("inf")
+                for _ in range(3):  # the least disturbed of three runs
+                    start = time.perf_counter()
+                    for _ in range(OVERHEAD_CALLS):
+                        fn()
+                    torch.cuda.synchronize()
+                    best = min(best, (time.perf_counter() - start) / OVERHEAD_CALLS * 1e6)
+                row["us_per_call"][name] = best
+        results.append(row)
+    return results
+
+
+def _print_overhead(overhead: list[dict]) -> None:
+    for row in overhead:
+        t = row["us_per_call"]
+        parts = "  ".join(f"{name} {us:.1f} us" for name, us in t.items())
+        print(f"launch overhead {tuple(row['shape'])}: {parts}  attngen/sdpa_flash {t['attngen'] / t['sdpa_flash']:.2f}x")
 
 
 def _slug(name: str) -> str:
@@ -170,15 +240,18 @@ def _print_table(rows: list[Row], meta: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"forward TFLOP/s on {meta['gpu']} ({meta['date']})")
-    for col in ("d", "mask", "seqlen", "attngen", "FA2", "cuDNN", "flex", "vs FA2", "vs cuDNN"):
+    for col in ("d", "mask", "seqlen", "gqa", "attngen", "fwd_sm80", "FA2", "cuDNN", "flex", "vs FA2", "vs cuDNN",
+                "sm80 vs FA2"):
         table.add_column(col, justify="right")
     fmt = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
     ratio = lambda a, b: "-" if a is None or not b else f"{a / b:.2f}x"  # noqa: E731
     for r in rows:
         t = r.tflops
-        table.add_row(str(r.head_dim), "causal" if r.causal else "none", str(r.seqlen), fmt(t.get("attngen")),
-                      fmt(t.get("sdpa_flash")), fmt(t.get("sdpa_cudnn")), fmt(t.get("flex")),
-                      ratio(t.get("attngen"), t.get("sdpa_flash")), ratio(t.get("attngen"), t.get("sdpa_cudnn")))
+        table.add_row(str(r.head_dim), "causal" if r.causal else "none", str(r.seqlen),
+                      f"{r.heads}/{r.kv_heads}" if r.kv_heads and r.kv_heads != r.heads else "-", fmt(t.get("attngen")),
+                      fmt(t.get("attngen_sm80")), fmt(t.get("sdpa_flash")), fmt(t.get("sdpa_cudnn")), fmt(t.get("flex")),
+                      ratio(t.get("attngen"), t.get("sdpa_flash")), ratio(t.get("attngen"), t.get("sdpa_cudnn")),
+                      ratio(t.get("attngen_sm80"), t.get("sdpa_flash")))
     Console(width=140).print(table)
     for r in rows:
         for name, err in r.errors.items():
@@ -197,8 +270,8 @@ def _plot(rows: list[Row], meta: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2), sharey=True)
     panels = [(d, c) for d in HEAD_DIMS for c in (False, True)]
     for ax, (d, c) in zip(axes, panels):
-        sel = [r for r in rows if r.head_dim == d and r.causal == c]
-        for name, label in (("attngen", "attngen"), ("sdpa_flash", "SDPA flash (FA2)"),
+        sel = [r for r in rows if r.head_dim == d and r.causal == c and r.heads * d == HIDDEN]
+        for name, label in (("attngen", "attngen"), ("attngen_sm80", "attngen fwd_sm80"), ("sdpa_flash", "SDPA flash (FA2)"),
                             ("sdpa_cudnn", "SDPA cuDNN"), ("flex", "FlexAttention")):
             pts = [(r.seqlen, r.tflops.get(name)) for r in sel if r.tflops.get(name) is not None]
             if pts:

@@ -7,77 +7,142 @@ import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
 import attngen
 from attngen.errors import CompileError, SpecError
-from attngen.plan import SMEM_LIMIT, KernelPlan, make_plan
-from attngen.spec import ARCHS, TILE_FIELDS, AttentionSpec
+from attngen.spec import AttentionSpec
+from attngen.targets import allowed_archs
 
 DEFAULT_GENERATED = "generated"
 DEFAULT_BENCH_OUT = "bench/results"
+GENERATOR = "attngen generate"  # what a manifest says made it: --prune deletes only such files
+DEFAULT_CHECK_ARCHS = ("sm_80", "sm_90a")
 
 
 # -- generate -----------------------------------------------------------------
-def template_files() -> list[str]:
-    """The forward template and every header it inlines, in the order it names them."""
-    import jinja2
-    from jinja2 import nodes
-
-    from attngen.render import FORWARD_TEMPLATE, templates_dir
-
-    tree = jinja2.Environment().parse((templates_dir() / FORWARD_TEMPLATE).read_text())
-    headers = [
-        call.args[0].value
-        for call in tree.find_all(nodes.Call)
-        if isinstance(call.node, nodes.Name) and call.node.name == "include_header" and call.args
-        and isinstance(call.args[0], nodes.Const)
-    ]
-    return [FORWARD_TEMPLATE, *headers]
+PACKAGE_ROOT = Path(attngen.__file__).resolve().parent  # manifests name templates relative to its parent
 
 
-def manifest(plan: KernelPlan, source: str) -> dict:
+def manifest(plan, source: str) -> dict:
     """What generated/<name>.json records: the resolved spec, the plan, the templates, the source hash."""
+    from attngen.families import get_family
+
+    spec = {**{k: v for k, v in vars(plan.problem).items() if v is not None}, "family": plan.family,
+            "config": plan.config.to_dict(), "arch": plan.target.name}
     return {
+        "generator": GENERATOR,
         "name": plan.name,
         "attngen_version": attngen.__version__,
-        "spec": plan.spec.to_dict(),
+        "spec": spec,
         "plan": {
-            "arch": plan.arch,
-            "threads": plan.threads,
-            "smem_bytes": plan.smem_bytes,
-            "q_in_regs": plan.q_in_regs,
-            "row_sums_in_smem": plan.row_sums_in_smem,
-            "sub_n": plan.sub_n,
-            "min_blocks_per_sm": plan.min_blocks_per_sm,
-            "mask": plan.mask.name,
-            "tile": {f: getattr(plan, f) for f in TILE_FIELDS},
+            "family": plan.family,
+            "target": plan.target.name,
+            "config": plan.config.to_dict(),
+            "block_m": plan.block_m,
+            "block_n": plan.block_n,
+            "kernels": [{"symbol": k.symbol, "threads": k.threads, "smem_bytes": k.smem_bytes,
+                         "params_bytes": k.abi.size} for k in plan.kernels],
+            **plan.choices(),
         },
-        "templates": template_files(),
+        "templates": family_templates(get_family(plan.family)),
         "source": f"{plan.name}.cu",
         "source_sha256": hashlib.sha256(source.encode()).hexdigest(),
     }
 
 
+def family_templates(family) -> list[str]:
+    """Every template of a family's folder and the headers each inlines, in the order they are named, as
+    paths from the package's parent (attngen/families/fwd_sm80/fwd.cu.j2, attngen/cuda/ptx.cuh)."""
+    from attngen.codegen.render import SHARED_HEADERS, template_files
+
+    found: dict[str, None] = {}
+    for template in sorted(p.name for p in family.folder.glob("*.cu.j2")):
+        for name in template_files(family.folder, template):
+            path = family.folder / name if (family.folder / name).is_file() else SHARED_HEADERS / name
+            found[path.resolve().relative_to(PACKAGE_ROOT.parent).as_posix()] = None
+    return list(found)
+
+
 def kernel_files(spec: AttentionSpec) -> dict[str, str]:
     """The files `attngen generate` writes for one spec: {file name: text}. Deterministic."""
-    from attngen.render import render_plan
+    from attngen.families import get_family, plan_spec
 
-    plan = make_plan(spec)
-    source = render_plan(plan)
+    plan = plan_spec(spec)
+    source = get_family(plan.family).render(plan)
     meta = json.dumps(manifest(plan, source), indent=2, sort_keys=True) + "\n"
     return {f"{plan.name}.cu": source, f"{plan.name}.json": meta}
 
 
-# -- check ----------------------------------------------------------------------
-def check_spec(spec: AttentionSpec, arch: str):
-    """nvcc-compile a spec for one target arch, as the runtime would on such a GPU: the plan is
-    make_plan(spec, arch) (a spec that pins its arch keeps its own tiles). The ptxas report."""
-    from attngen.nvcc import check_plan
+@dataclass(frozen=True)
+class GeneratedKernel:
+    """A kernel an earlier `attngen generate` wrote, found by its manifest."""
 
-    return check_plan(make_plan(spec, arch), arch)
+    manifest: Path
+    source: Path
+    edited: bool  # the source no longer holds what attngen wrote: --prune leaves both files alone
+
+
+# attngen 0.1 manifests had no "generator" field; these keys identify them.
+_MANIFEST_0_1_KEYS = {"attngen_version", "name", "plan", "source", "source_sha256", "spec", "templates"}
+
+
+def generated_by_attngen(path: Path) -> GeneratedKernel | None:
+    """The kernel whose manifest is `path`, or None when `path` is not an attngen manifest. A manifest
+    is attngen's when it says `attngen generate` made it (attngen 0.1's: has exactly its keys), is
+    named <name>.json and names <name>.cu as its source, in the same directory."""
+    try:
+        meta = json.loads(path.read_bytes())
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
+        return None
+    if not isinstance(meta, dict):
+        return None
+    if meta.get("generator") != GENERATOR and not (set(meta) == _MANIFEST_0_1_KEYS
+                                                   and str(meta["attngen_version"]).startswith("0.1.")):
+        return None
+    name, sha = meta.get("name"), meta.get("source_sha256")
+    if not isinstance(name, str) or path.name != f"{name}.json" or meta.get("source") != f"{name}.cu" \
+            or not isinstance(sha, str):
+        return None
+    source = path.with_name(f"{name}.cu")
+    try:
+        edited = hashlib.sha256(source.read_bytes()).hexdigest() != sha
+    except FileNotFoundError:
+        edited = False
+    except OSError:  # a directory, say: not what attngen wrote
+        edited = True
+    return GeneratedKernel(path, source, edited)
+
+
+def prune(out_dir: Path, keep: set[str]) -> None:
+    """Delete the kernels in `out_dir` that attngen generated (by their manifests) and that are not in
+    `keep`; every other file is left alone, and so is a generated source someone edited."""
+    for manifest_path in sorted(out_dir.glob("*.json")):
+        found = generated_by_attngen(manifest_path)
+        if found is None or found.manifest.name in keep:
+            continue
+        if found.edited:
+            click.echo(f"kept      {found.source}: edited since attngen generated it (delete it and "
+                       f"{found.manifest.name} by hand)")
+            continue
+        for stale in (found.source, found.manifest):
+            if stale.is_file():
+                stale.unlink()
+                click.echo(f"removed   {stale}")
+
+
+# -- check ----------------------------------------------------------------------
+def check_spec(spec: AttentionSpec, arch: str, *, keep_cubin: Path | None = None):
+    """nvcc-compile a spec for one target, as the runtime would on such a GPU: the plan is
+    plan_spec(spec, target(arch)). The ptxas report; `keep_cubin`: copy the cubin there (for its SASS)."""
+    from attngen import targets
+    from attngen.build.nvcc import check_plan
+    from attngen.families import plan_spec
+
+    return check_plan(plan_spec(spec, targets.target(arch)), keep_cubin=keep_cubin)
 
 
 # -- commands ---------------------------------------------------------------------
@@ -105,36 +170,36 @@ def main() -> None:
 @SPEC_ARG
 @click.option("-o", "--out", "out_dir", default=DEFAULT_GENERATED, show_default=True,
               type=click.Path(file_okay=False, path_type=Path), help="Directory for the .cu and .json files.")
-@click.option("--prune", is_flag=True, help="Delete .cu/.json files in the directory that no given spec produces.")
-def generate(specs: tuple[Path, ...], out_dir: Path, prune: bool) -> None:
+@click.option("--prune", "prune_stale", is_flag=True,
+              help="Delete kernels an earlier `attngen generate` wrote to DIR (by their manifests) that no given "
+                   "spec produces now; other files, and generated sources edited since, are never touched.")
+def generate(specs: tuple[Path, ...], out_dir: Path, prune_stale: bool) -> None:
     """Render each SPEC file to DIR/<name>.cu plus a DIR/<name>.json manifest (no GPU needed)."""
-    from attngen.render import write_if_different
+    from attngen.codegen.render import write_if_different
 
     files: dict[str, str] = {}
     origin: dict[str, Path] = {}
     for path in specs:
         for fname, text in kernel_files(attngen.load_spec(path)).items():
             if files.get(fname, text) != text:
-                raise SpecError(f"{origin[fname]} and {path} both produce {fname}, with different content "
-                                "(canonical names do not spell arch)", field=None)
+                raise SpecError(f"{origin[fname]} and {path} both produce {fname}, with different content",
+                                field=None)
             files[fname], origin[fname] = text, path
     for fname, text in sorted(files.items()):
         target = out_dir / fname
         click.echo(f"{'wrote    ' if write_if_different(target, text) else 'unchanged'} {target}")
-    if prune and out_dir.is_dir():
-        for stale in sorted(out_dir.iterdir()):
-            if stale.suffix in (".cu", ".json") and stale.name not in files:
-                stale.unlink()
-                click.echo(f"removed   {stale}")
+    if prune_stale and out_dir.is_dir():
+        prune(out_dir, set(files))
 
 
 @main.command()
 @SPEC_ARG
-@click.option("--arch", "archs", multiple=True, type=click.Choice(ARCHS), default=ARCHS, show_default=True,
-              help="Target to compile for; repeat for several.")
+@click.option("--arch", "archs", multiple=True, type=click.Choice(allowed_archs()), default=DEFAULT_CHECK_ARCHS,
+              show_default=True, help="Target to compile for; repeat for several.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="Parallel nvcc runs [default: CPUs].")
 @click.option("--configs", is_flag=True,
-              help="Show every tile config of each SPEC: resources, occupancy, predicted time, pruning verdict.")
+              help="Show every (kernel family, config) of each SPEC on each --arch: resources, occupancy, predicted "
+                   "time, pruning verdict.")
 @click.option("--seqlen", "seqlens", multiple=True, type=click.IntRange(min=1),
               help="With --configs: sequence length to predict for; repeat for several [default: 4096].")
 @click.option("--batch-heads", "batch_heads", multiple=True, type=click.IntRange(min=1),
@@ -142,7 +207,7 @@ def generate(specs: tuple[Path, ...], out_dir: Path, prune: bool) -> None:
 def check(specs: tuple[Path, ...], archs: tuple[str, ...], jobs: int | None, configs: bool,
           seqlens: tuple[int, ...], batch_heads: tuple[int, ...]) -> None:
     """Compile each SPEC with nvcc and show the ptxas resource report; fails on spills or errors.
-    With --configs: every tile config of each SPEC, pruned and ranked as `attngen tune` would."""
+    With --configs: every (kernel family, config) of each SPEC, pruned and ranked as `attngen tune` would."""
     if configs:
         from attngen.tune.commands import check_configs
 
@@ -152,10 +217,10 @@ def check(specs: tuple[Path, ...], archs: tuple[str, ...], jobs: int | None, con
     from rich.console import Console
     from rich.table import Table
 
-    from attngen.nvcc import find_nvcc, nvcc_version
+    from attngen import targets
+    from attngen.build.nvcc import nvcc_version, require_nvcc
 
-    if find_nvcc() is None:
-        raise CompileError("nvcc not found: put it on PATH or set CUDA_HOME to the CUDA toolkit")
+    require_nvcc()
     loaded = [attngen.load_spec(path) for path in specs]
     jobs_list = [(path, spec, arch) for path, spec in zip(specs, loaded) for arch in dict.fromkeys(archs)]
 
@@ -176,13 +241,14 @@ def check(specs: tuple[Path, ...], archs: tuple[str, ...], jobs: int | None, con
     for (path, spec, arch), res in zip(jobs_list, results):
         if isinstance(res, Exception):
             failures.append(f"{path} ({arch}): {res}")
-            table.add_row(spec.resolved(arch).name, arch, *["-"] * 5, "[red]error[/red]")
+            table.add_row(str(path), arch, *["-"] * 5, "[red]error[/red]")
             continue
         problems = {}
+        limit = targets.target(arch).smem_per_block
         if res.spill_bytes:
             problems["spills"] = f"{res.spill_store_bytes} B spill stores, {res.spill_load_bytes} B spill loads"
-        if res.smem_total_bytes > SMEM_LIMIT[arch]:
-            problems["smem"] = f"{res.smem_total_bytes} B shared memory > {SMEM_LIMIT[arch]} B"
+        if res.smem_total_bytes > limit:
+            problems["smem"] = f"{res.smem_total_bytes} B shared memory > {limit} B"
         failures += [f"{res.name} ({arch}): {msg}" for msg in problems.values()]
         table.add_row(res.name, arch, str(res.registers), str(res.smem_static_bytes), str(res.smem_dynamic_bytes),
                       str(res.stack_frame_bytes), f"{res.spill_store_bytes}/{res.spill_load_bytes}",
@@ -210,17 +276,20 @@ def check(specs: tuple[Path, ...], archs: tuple[str, ...], jobs: int | None, con
 @click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Tuning database [default: $ATTNGEN_TUNING_DB, else tuning.sqlite3 in the cache dir].")
 @click.option("--export", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Afterwards, write every entry of the database to this JSON file.")
+              help="Afterwards, write every entry of the database to this JSON file (an error when there is no "
+                   "database).")
 @click.option("--import", "import_", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
-              help="First, merge a file written by --export into the database.")
+              help="First, merge a file written by --export into the database (an attngen 0.1 file is migrated).")
 @click.option("--store-narrowed", is_flag=True,
-              help="Store the winner of a SPEC that pins tile fields (a narrowed search) for every untiled call.")
+              help="Store the winner of a SPEC that pins config fields (a narrowed search) for every call that pins "
+                   "only its family.")
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows in the results table.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="Parallel compiles [default: CPUs].")
 def tune(specs: tuple[Path, ...], seqlens: tuple[int, ...], batch_heads: tuple[int, ...], budget: float,
          max_fraction: float, db_path: Path | None, export: Path | None, import_: Path | None, store_narrowed: bool,
          top: int, jobs: int | None) -> None:
-    """Find the fastest tile config of each SPEC on this GPU and store it in the tuning database."""
+    """Find the fastest kernel family and config of each SPEC on this GPU (every family that can run it, unless
+    the SPEC pins one) and store them in the tuning database."""
     from attngen.tune.commands import run_tune
 
     run_tune(specs, seqlens, batch_heads, budget, max_fraction, db_path, export, import_, top, jobs, store_narrowed)

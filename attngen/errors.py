@@ -4,11 +4,13 @@ from __future__ import annotations
 
 
 class SpecError(ValueError):
-    """An invalid spec field or spec file. `field` names the offending field (None: the whole spec)."""
+    """An invalid spec field or spec file. `field` names the (first) offending field (None: the whole
+    spec); `problems` lists every (field, message) found, when a spec had several."""
 
-    def __init__(self, message: str, field: str | None = None):
+    def __init__(self, message: str, field: str | None = None, problems: list | None = None):
         super().__init__(message)
         self.field = field
+        self.problems = list(problems) if problems else [(field, message)]
 
 
 class CompileError(RuntimeError):
@@ -22,6 +24,10 @@ class CompileError(RuntimeError):
         self.source_path = source_path
 
 
+class MissingDependency(ImportError):
+    """A GPU-side package is missing; the message says which extra installs it."""
+
+
 # Errors after which the CUDA context is unusable: every later launch in the process fails too.
 STICKY_CUDA_ERRORS = (
     "illegal memory access", "misaligned address", "unspecified launch failure", "illegal instruction",
@@ -33,3 +39,16 @@ STICKY_CUDA_ERRORS = (
 def is_sticky_cuda_error(message: str) -> bool:
     """Whether an error message (torch or CuPy spelling) reports a context-breaking CUDA error."""
     return any(pattern.lower() in message.lower() for pattern in STICKY_CUDA_ERRORS)
+
+
+CUPY_EXTRA = ('attngen runs kernels through CuPy, which is not installed: pip install "attngen[cuda13]" '
+              '(CUDA 13) or "attngen[cuda12]" (CUDA 12)')
+
+
+def require_cupy():
+    """The cupy module, or MissingDependency saying which extra to install."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise MissingDependency(f"{CUPY_EXTRA} ({exc})") from None
+    return cupy

@@ -1,7 +1,8 @@
 """Deliberate kernel faults, for testing the tests: a fuzzer that cannot catch these is broken.
 
-A fault is a template flag: the rendered kernel gets its own symbol (`<name>_fault_<fault>`) and
-source, so it can never be served from the cache in place of the correct kernel.
+A fault is a template flag every kernel family honours: `family.plan(..., fault=...)` gives the
+kernel its own symbol (`<name>_fault_<fault>`) and source, so it can never be served from the
+cache in place of the correct kernel (tests/test_faults.py checks each registered family).
 """
 
 from __future__ import annotations

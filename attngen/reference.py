@@ -13,11 +13,11 @@ import math
 
 import torch
 
+from attngen.dtypes import torch_dtype
 from attngen.masks import get_mask
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 COMPUTE_DTYPES = (torch.float32, torch.float64)
-SPEC_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def attention(
@@ -63,24 +63,22 @@ def attention(
 def attention_for_spec(
     q, k, v, spec, softmax_scale: float | None = None, return_lse: bool = False, compute_dtype=torch.float64
 ):
-    """attention() with mask, gqa_ratio and scale taken from an AttentionSpec.
+    """attention() with mask, gqa_ratio and scale taken from an AttentionSpec (or its Problem).
 
-    Inputs may be in the spec's dtype or upcast to float32/float64 (a more exact reference).
+    Inputs may be in the spec's dtype or upcast to float32/float64 (a more exact reference). An
+    explicit softmax_scale is held to what a kernel call accepts (attngen/runtime/checks.py).
     """
-    _check_inputs(q, k, v, spec.gqa_ratio, compute_dtype)  # first, so q below is a 4-d tensor
-    if q.shape[-1] != spec.head_dim:
-        raise ValueError(f"q.shape[-1]={q.shape[-1]} does not match the spec; allowed: head_dim={spec.head_dim}")
-    allowed = (SPEC_DTYPES[spec.dtype], torch.float32, torch.float64)
+    from attngen.runtime.checks import check_scale
+
+    problem = getattr(spec, "problem", spec)
+    _check_inputs(q, k, v, problem.gqa_ratio, compute_dtype)  # first, so q below is a 4-d tensor
+    if q.shape[-1] != problem.head_dim:
+        raise ValueError(f"q.shape[-1]={q.shape[-1]} does not match the spec; allowed: head_dim={problem.head_dim}")
+    allowed = (torch_dtype(problem.dtype), torch.float32, torch.float64)
     if q.dtype not in allowed:
-        raise ValueError(f"q.dtype={q.dtype} does not match spec dtype {spec.dtype!r}; allowed: {_names(allowed)}")
-    if softmax_scale is not None and spec.softmax_scale is not None and softmax_scale != spec.softmax_scale:
-        raise ValueError(
-            f"softmax_scale={softmax_scale!r} conflicts with the spec's softmax_scale={spec.softmax_scale!r}; "
-            "allowed: None or the spec's value"
-        )
-    scale = softmax_scale if softmax_scale is not None else spec.effective_scale
+        raise ValueError(f"q.dtype={q.dtype} does not match spec dtype {problem.dtype!r}; allowed: {_names(allowed)}")
     return attention(
-        q, k, v, mask=spec.mask, softmax_scale=scale, gqa_ratio=spec.gqa_ratio,
+        q, k, v, mask=problem.mask, softmax_scale=check_scale(softmax_scale, problem), gqa_ratio=problem.gqa_ratio,
         return_lse=return_lse, compute_dtype=compute_dtype,
     )
 

@@ -1,61 +1,127 @@
 """AttentionSpec: the declarative description of one attention kernel.
 
-A spec is validated once, at construction, and is immutable and hashable. Its
-canonical name spells every parameter that changes the emitted kernel; the name
-is the kernel symbol, the generated/ file name and the cache entry name.
+A spec says what to compute (the problem: head dim, dtype, GQA ratio, mask, scale), optionally
+how (a kernel `family` and some or all of its `config` fields) and where (`arch`, the GPU
+architecture `attngen generate` and `attngen check` build for; at run time kernels are always
+built for the GPU they run on). It is validated once, at construction, reporting every problem
+at once; it is immutable and hashable. Unset family and config fields are filled in when a
+plan is made: the tuned entry for the call's shape if `attngen tune` stored one, else the
+family's defaults; the tuner only ever changes them.
 
-Tile fields (block_m, block_n, num_warps, num_stages) may be left unset: the
-plan fills them from the per-(head dim, arch) defaults in `tile_defaults.yaml`,
-and the tuner only ever changes these fields.
+The canonical name (`name`) spells every parameter of the kernel that runs, the target
+included: fwd_sm80_causal_d128_gqa4_bf16_m128n64w4s2_sm90a. It is the kernel symbol, the
+generated/ file name and the cache entry name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import reprlib
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator
 
+from attngen.dtypes import DTYPES
 from attngen.errors import SpecError
 from attngen.masks import MASKS
 
 HEAD_DIMS = (64, 96, 128, 256)
-DTYPES = ("fp16", "bf16")
-ARCHS = ("sm_80", "sm_90")
-BLOCK_MS = (16, 32, 64, 128, 256)
-BLOCK_NS = (16, 32, 64, 128)
-NUM_WARPS = (1, 2, 4, 8)
-NUM_STAGES = (1, 2, 3, 4)
-# A warp owns 16 or 32 query rows: one or two m16 MMA tiles.
-ROWS_PER_WARP = (16, 32)
-
 # Query heads per kv head; the grid holds at most 65535 query heads.
 MAX_GQA_RATIO = 1024
-
-TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+PROBLEM_FIELDS = ("head_dim", "dtype", "gqa_ratio", "mask", "softmax_scale")
+# Tile fields of attngen 0.1, now config fields of the fwd_sm80 family: named in a clear error.
+LEGACY_TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
 
 def _allowed(values) -> str:
     return "{" + ", ".join(str(v) for v in values) + "}"
 
 
+# Values in messages: repr(), cut short for a huge or deeply nested value a spec file may hold.
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong, _SHOW.maxlist, _SHOW.maxdict = 3, 200, 200, 200, 8, 8
+
+
+def show(value) -> str:
+    """repr(value) for error messages; long values are elided with '...'."""
+    return _SHOW.repr(value)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type_hint(value, want: str) -> str:
+    """' (a str, must be an integer)' for a value of the wrong type: the usual YAML slip ("128")."""
+    return f" (a {type(value).__name__}, must be {want})"
+
+
 @dataclass(frozen=True)
-class TileConfig:
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
+class Problem:
+    """What to compute: the part of a spec no kernel family may change."""
+
+    head_dim: int
+    dtype: str = "bf16"
+    gqa_ratio: int = 1
+    mask: str = "none"
+    softmax_scale: float | None = None
 
     @property
-    def rows_per_warp(self) -> int:
-        return self.block_m // self.num_warps
+    def scale(self) -> float:
+        """The softmax scale the kernel applies: the spec's, else 1/sqrt(head_dim)."""
+        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def causal(self) -> bool:
+        return self.mask == "causal"
 
     def label(self) -> str:
-        return f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+        """The problem in identifiers: causal_d128_gqa4_bf16 (and the scale's float32 bits, when set)."""
+        parts = [self.mask, f"d{self.head_dim}", f"gqa{self.gqa_ratio}", self.dtype]
+        if self.softmax_scale is not None:
+            # float32 bits keep the name exact and a valid C identifier.
+            parts.append("scale" + struct.pack(">f", self.softmax_scale).hex())
+        return "_".join(parts)
+
+    def key(self) -> str:
+        """Canonical JSON of the problem's fields (what a tuned configuration is for)."""
+        return json.dumps({f: getattr(self, f) for f in PROBLEM_FIELDS if getattr(self, f) is not None},
+                          sort_keys=True, separators=(",", ":"))
+
+
+class ConfigMap(Mapping):
+    """An immutable, hashable mapping of config fields (a spec's pinned `config`)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, Any] | None = None):
+        self._items = tuple(sorted(dict(items or {}).items(), key=lambda kv: str(kv[0])))
+
+    def __getitem__(self, key: str) -> Any:
+        for k, v in self._items:
+            if k == key:
+                return v
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(self._items)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mapping) and dict(self._items) == dict(other)
+
+    def __repr__(self) -> str:
+        return repr(dict(self._items))
 
 
 @dataclass(frozen=True)
@@ -65,135 +131,178 @@ class AttentionSpec:
     gqa_ratio: int = 1
     mask: str = "none"
     softmax_scale: float | None = None
-    block_m: int | None = None
-    block_n: int | None = None
-    num_warps: int | None = None
-    num_stages: int | None = None
-    arch: str | None = None
+    family: str | None = None  # None: the dispatcher picks the best family for the GPU
+    config: Mapping[str, Any] | None = None  # pinned config fields of `family`
+    arch: str | None = None  # stored as the exact compile target, e.g. "sm_90a"
     # Where the spec came from (a file path), used only to make errors name it.
     source: str | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._check_choice("head_dim", self.head_dim, HEAD_DIMS)
-        self._check_choice("dtype", self.dtype, DTYPES)
-        if isinstance(self.gqa_ratio, bool) or not isinstance(self.gqa_ratio, int) or not 1 <= self.gqa_ratio <= MAX_GQA_RATIO:
-            self._fail("gqa_ratio", self.gqa_ratio, f"an integer in [1, {MAX_GQA_RATIO}]")
-        self._check_choice("mask", self.mask, tuple(MASKS))
+        problems: list[tuple[str | None, str]] = []
+
+        def fail(name: str, message: str) -> None:
+            problems.append((name, message))
+
+        def choice(name: str, allowed: tuple) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in allowed or type(value) is not type(allowed[0]):
+                hint = _type_hint(value, "an integer") if _is_int(allowed[0]) and not _is_int(value) else ""
+                fail(name, f"{name}={show(value)} is invalid{hint}; allowed: {_allowed(allowed)}")
+
+        choice("head_dim", HEAD_DIMS)
+        choice("dtype", tuple(DTYPES))
+        if not _is_int(self.gqa_ratio) or not 1 <= self.gqa_ratio <= MAX_GQA_RATIO:
+            hint = "" if _is_int(self.gqa_ratio) else _type_hint(self.gqa_ratio, "an integer")
+            fail("gqa_ratio", f"gqa_ratio={show(self.gqa_ratio)} is invalid{hint}; allowed: an integer in "
+                              f"[1, {MAX_GQA_RATIO}]")
+        choice("mask", tuple(MASKS))
         if self.softmax_scale is not None:
             ok = isinstance(self.softmax_scale, (int, float)) and not isinstance(self.softmax_scale, bool)
             # The kernel and the name take the scale as float32: it must be a positive normal float32.
             if not ok or not FLOAT32_MIN_NORMAL <= self.softmax_scale <= FLOAT32_MAX:
-                self._fail(
-                    "softmax_scale",
-                    self.softmax_scale,
-                    f"a float in [{FLOAT32_MIN_NORMAL:.4g}, {FLOAT32_MAX:.4g}], or unset for 1/sqrt(head_dim)",
-                )
-            object.__setattr__(self, "softmax_scale", float(self.softmax_scale))
+                hint = "" if ok else _type_hint(self.softmax_scale, "a number")
+                fail("softmax_scale", f"softmax_scale={show(self.softmax_scale)} is invalid{hint}; allowed: a float in "
+                                      f"[{FLOAT32_MIN_NORMAL:.4g}, {FLOAT32_MAX:.4g}], or unset for 1/sqrt(head_dim)")
+            else:
+                object.__setattr__(self, "softmax_scale", float(self.softmax_scale))
+        target = None
         if self.arch is not None:
-            self._check_choice("arch", self.arch, ARCHS)
-        self._check_optional_choice("block_m", self.block_m, BLOCK_MS)
-        self._check_optional_choice("block_n", self.block_n, BLOCK_NS)
-        self._check_optional_choice("num_warps", self.num_warps, NUM_WARPS)
-        self._check_optional_choice("num_stages", self.num_stages, NUM_STAGES)
-        if self.block_m is not None and self.num_warps is not None:
-            rows = self.block_m / self.num_warps
-            if rows not in ROWS_PER_WARP:
-                self._fail(
-                    "block_m",
-                    self.block_m,
-                    f"block_m / num_warps in {_allowed(ROWS_PER_WARP)} (num_warps={self.num_warps})",
-                )
+            from attngen import targets
 
-    # -- validation helpers -------------------------------------------------
-    def _fail(self, name: str, value: Any, allowed: str) -> None:
-        where = f"{self.source}: " if self.source else ""
-        raise SpecError(f"{where}{name}={value!r} is invalid; allowed: {allowed}", field=name)
+            try:
+                target = targets.target(self.arch)
+                object.__setattr__(self, "arch", target.name)
+            except ValueError as exc:
+                fail("arch", str(exc))
+        self._check_family_and_config(fail, target, problems)
+        if problems:
+            raise spec_error(self.source, problems)
+        object.__setattr__(self, "_key", json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")))
 
-    def _check_choice(self, name: str, value: Any, allowed: tuple) -> None:
-        if isinstance(value, bool) or value not in allowed or type(value) is not type(allowed[0]):
-            self._fail(name, value, _allowed(allowed))
+    def _check_family_and_config(self, fail, target, problems) -> None:
+        from attngen import families
 
-    def _check_optional_choice(self, name: str, value: Any, allowed: tuple) -> None:
-        if value is not None:
-            self._check_choice(name, value, allowed)
+        family = None
+        if self.family is not None:
+            try:
+                family = families.get_family(self.family)
+            except ValueError as exc:
+                fail("family", str(exc))
+        if self.config is not None:
+            if not isinstance(self.config, Mapping):
+                fail("config", f"config={show(self.config)} is invalid; allowed: a mapping of the family's config "
+                               "fields")
+                return
+            object.__setattr__(self, "config", ConfigMap(self.config) if self.config else None)
+        if self.config:
+            if self.family is None:
+                fail("config", f"config={show(dict(self.config))} is given without a family; config fields belong to a "
+                               f"kernel family: set family to one of {', '.join(families.FAMILIES)}")
+            elif family is not None:
+                for message in family.check_config(self.config):
+                    fail("config", message)
+        if family is not None and target is not None and not problems:
+            reason = family.supports(self.problem, target)
+            if reason is not None:
+                fail("family", f"family={self.family!r} cannot run this spec on arch={self.arch}: {reason}")
 
     # -- derived ----------------------------------------------------------
     @property
-    def tile_is_set(self) -> bool:
-        return all(getattr(self, f) is not None for f in TILE_FIELDS)
+    def problem(self) -> Problem:
+        return Problem(self.head_dim, self.dtype, self.gqa_ratio, self.mask, self.softmax_scale)
 
     @property
     def effective_scale(self) -> float:
-        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        return self.problem.scale
+
+    @property
+    def pinned(self) -> dict[str, Any]:
+        """The config fields the spec sets (empty when it sets none)."""
+        return dict(self.config or {})
+
+    @property
+    def fully_configured(self) -> bool:
+        """Family and every config field set: nothing left for the tuner or the defaults."""
+        if self.family is None:
+            return False
+        from attngen.families import get_family
+
+        return set(self.pinned) >= set(get_family(self.family).config_fields)
 
     def replace(self, **changes: Any) -> "AttentionSpec":
         return dataclasses.replace(self, **changes)
 
-    def resolved(self, arch: str | None = None) -> "AttentionSpec":
-        """This spec with arch and every unset tile field filled in from the defaults."""
-        from attngen.tile_defaults import default_tile
-
-        arch = self.arch or arch or "sm_90"
-        default = default_tile(self.head_dim, arch)
-        tile = {f: getattr(self, f) if getattr(self, f) is not None else getattr(default, f) for f in TILE_FIELDS}
-        # Only one of block_m / num_warps given: keep the default rows per warp for the other.
-        rows = default.rows_per_warp
-        if self.block_m is None and self.num_warps is not None:
-            tile["block_m"] = self.num_warps * rows if self.num_warps * rows in BLOCK_MS else self.num_warps * 16
-        elif self.num_warps is None and self.block_m is not None:
-            fits = [r for r in (rows, 16, 32) if self.block_m // r in NUM_WARPS and self.block_m % r == 0]
-            tile["num_warps"] = self.block_m // fits[0] if fits else default.num_warps
-        return self.replace(arch=arch, **tile)
-
-    @property
-    def tile(self) -> TileConfig:
-        if not self.tile_is_set:
-            raise SpecError("the tile config is not resolved; call spec.resolved() first", field="block_m")
-        return TileConfig(self.block_m, self.block_n, self.num_warps, self.num_stages)
+    def key(self) -> str:
+        """Canonical JSON of the spec (every field that is set): its identity across processes."""
+        return self._key
 
     @property
     def name(self) -> str:
-        """Canonical name, e.g. fwd_causal_d128_gqa4_bf16_m128n64w4s2 (tile defaults filled in)."""
-        spec = self if self.tile_is_set else self.resolved()
-        parts = ["fwd", spec.mask, f"d{spec.head_dim}", f"gqa{spec.gqa_ratio}", spec.dtype, spec.tile.label()]
-        if spec.softmax_scale is not None:
-            # float32 bits keep the name exact and a valid C identifier.
-            parts.append("scale" + struct.pack(">f", spec.softmax_scale).hex())
-        return "_".join(parts)
+        """Canonical name of the kernel this spec makes for its arch (default sm_90), e.g.
+        fwd_sm80_causal_d128_gqa4_bf16_m128n64w4s2_sm90a."""
+        from attngen.families import plan_spec
+
+        return plan_spec(self).name
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
+        if out["config"] is not None:
+            out["config"] = dict(out["config"])
         return {k: v for k, v in out.items() if v is not None}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str | None = None) -> "AttentionSpec":
-        known = {f.name for f in dataclasses.fields(cls) if f.name != "source"}
-        where = f"{source}: " if source else ""
+        """A spec from a mapping of its fields; every problem is reported at once (SpecError.problems)."""
+        known = [f.name for f in dataclasses.fields(cls) if f.name != "source"]
         if not isinstance(data, Mapping):
-            raise SpecError(f"{where}a spec must be a mapping of fields, got {type(data).__name__}", field=None)
+            raise spec_error(source, [(None, f"a spec must be a mapping of fields, got {type(data).__name__}")])
+        problems = []
         # key=str: YAML keys may mix types (1: x, foo: y), which plain sorted() cannot order.
-        unknown = sorted(set(data) - known, key=str)
-        if unknown:
-            raise SpecError(
-                f"{where}unknown field {unknown[0]!r}; allowed fields: {', '.join(sorted(known))}",
-                field=unknown[0],
-            )
+        unknown = sorted(set(data) - set(known), key=str)
+        legacy = [key for key in LEGACY_TILE_FIELDS if key in unknown]
+        if legacy:
+            # attngen 0.1 tile fields: one message saying what to write instead, with their values.
+            config = ", ".join(f"{key}: {show(data[key])}" for key in legacy)
+            what = "is a config field" if len(legacy) == 1 else "are config fields"
+            problems.append((legacy[0], f"{', '.join(legacy)} {what} of the fwd_sm80 kernel family since attngen 0.2: "
+                                        f"write `family: fwd_sm80` and `config: {{{config}}}` instead"))
+        for key in unknown:
+            if key not in legacy:
+                problems.append((key, f"unknown field {show(key)}; allowed fields: {', '.join(sorted(known))}"))
         if "head_dim" not in data:
-            raise SpecError(f"{where}missing required field 'head_dim'; allowed: {_allowed(HEAD_DIMS)}", field="head_dim")
+            problems.append(("head_dim", f"missing required field 'head_dim'; allowed: {_allowed(HEAD_DIMS)}"))
+        if problems:
+            # Check the known fields too, so one pass reports everything.
+            try:
+                cls(**{k: v for k, v in data.items() if k in known and k != "head_dim"},
+                    head_dim=data.get("head_dim", HEAD_DIMS[0]), source=None)
+            except SpecError as exc:
+                problems += [p for p in exc.problems if p[0] != "head_dim" or "head_dim" in data]
+            raise spec_error(source, problems)
         return cls(**dict(data), source=source)
 
+    @classmethod
+    def from_key(cls, key: str) -> "AttentionSpec":
+        """The spec whose key() is `key` (ValueError naming it when it is not one)."""
+        try:
+            data = json.loads(key)
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"spec key {key!r} is not a spec's canonical JSON: {exc}") from None
+        return cls.from_dict(data)
 
-def load_spec(path: str | Path) -> AttentionSpec:
-    """Load one spec from a YAML file (keys are AttentionSpec fields)."""
-    import yaml
 
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read spec file ({exc.strerror})", field=None) from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {exc}", field=None) from exc
-    return AttentionSpec.from_dict(data if data is not None else {}, source=str(path))
+def spec_error(source: str | None, problems: list[tuple[str | None, str]]) -> SpecError:
+    """One SpecError for every (field, message) found, prefixed with the file they came from."""
+    where = f"{source}: " if source else ""
+    if len(problems) == 1:
+        message = where + problems[0][1]
+    else:
+        message = f"{where}{len(problems)} problems:\n" + "\n".join(f"  - {m}" for _, m in problems)
+    return SpecError(message, field=problems[0][0], problems=problems)
+
+
+def load_spec(path) -> AttentionSpec:
+    """Load one spec from a YAML file; see attngen.specfile."""
+    from attngen.specfile import load_spec as _load
+
+    return _load(path)

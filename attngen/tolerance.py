@@ -22,9 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from attngen.dtypes import DTYPES
+
 EPS32 = 2.0**-23
 U32 = 2.0**-24
-UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+UNIT_ROUNDOFF = {name: dtype.unit_roundoff for name, dtype in DTYPES.items()}
 SAFETY = 2.0
 LSE_SAFETY = 4.0
 
@@ -94,9 +96,11 @@ def check_lse(lse, ref_lse, q, k, scale: float):
 
 
 def _worst(what, err, bound):
+    import numpy as np
+
     excess = err - bound
     if excess.numel() == 0 or excess.max().item() <= 0:
         return None
     flat = int(excess.argmax())
-    idx = tuple(int(i) for i in __import__("numpy").unravel_index(flat, tuple(err.shape)))
+    idx = tuple(int(i) for i in np.unravel_index(flat, tuple(err.shape)))
     return Mismatch(what, err.flatten()[flat].item(), bound.flatten()[flat].item(), idx)

@@ -1,6 +1,7 @@
 """Does the tuner find the best tile? Issue 3's acceptance check, in one GPU run (<= 8 min on an H100).
 
-For three held-out shapes it (a) times every launchable config of the unpruned space,
+For three held-out shapes it (a) times every launchable (family, config) of the unpruned space
+(every kernel family that can run the spec on this GPU),
 (b) runs the tuner's pruned and ranked search (`attngen.tune.search.tune`, its budget and
 max fraction), then (c) times the overall best and the tuned config head to head. Per
 shape it reports both configs and times, their ratio (the bar: tuned <= 1.03x best), the
@@ -54,7 +55,8 @@ def config_rows(ranked, timings) -> list[dict]:
     for i, r in enumerate(ranked, 1):
         p, t = r.pruned, measured.get(id(r))
         rows.append({
-            "config": r.label, "plan": plan_choices(p.candidate.plan), "model_rank": i if p.survives else None,
+            "family": r.candidate.family, "config": r.candidate.config.label(), "plan": plan_choices(r.candidate.plan),
+            "model_rank": i if p.survives else None,
             "verdict": p.reason or "ok",
             "registers": p.report.registers if p.report else None,
             "smem_bytes": p.report.smem_total_bytes if p.report else None,
@@ -68,14 +70,14 @@ def config_rows(ranked, timings) -> list[dict]:
     return rows
 
 
-def head_to_head(spec_a, spec_b, shape) -> tuple[float, float]:
-    """Median ms of two configs timed alternately (drift hits both alike)."""
-    import attngen
+def head_to_head(a, b, shape, device) -> tuple[float, float]:
+    """Median ms of two candidates timed alternately (drift hits both alike)."""
     from attngen.bench import time_ms
+    from attngen.runtime.dispatch import kernel_for
     from attngen.tune.search import input_sets
 
-    sets = input_sets(spec_a, shape)
-    kernels = [attngen.compile(spec_a), attngen.compile(spec_b)]
+    sets = input_sets(a.problem, shape)
+    kernels = [kernel_for(a.plan, device), kernel_for(b.plan, device)]
     times = [[], []]
     for _ in range(HEAD_TO_HEAD_ROUNDS):
         for i, kernel in enumerate(kernels):
@@ -86,21 +88,23 @@ def head_to_head(spec_a, spec_b, shape) -> tuple[float, float]:
 def evaluate(name, spec, shape, args, db) -> dict:
     import torch
 
-    from attngen.tune import lookup
+    from attngen import targets
+    from attngen.tune.model import gpu_model
     from attngen.tune.ranking import analyse, rank
     from attngen.tune.report import spearman
-    from attngen.tune.search import device_gpu_model, time_candidates, tune, verified_winner
+    from attngen.tune.search import time_candidates, tune, verified_winner
     from attngen.tune.space import search_space
 
-    gpu = device_gpu_model(torch.cuda.current_device())
-    target = lookup.device_identity(torch.cuda.current_device())[1]
+    device = torch.cuda.current_device()
+    target = targets.device_target(device)
+    gpu = gpu_model(target)
     t0 = time.monotonic()
-    ranked = rank(analyse(search_space(spec, gpu.arch), gpu, args.jobs), gpu, shape)
-    # (a) every launchable config, in the space's own order (not the model's), pruned ones too.
-    order = sorted((r for r in ranked if r.pruned.candidate.launchable), key=lambda r: r.label)
-    full, _ = time_candidates(order, shape, target, math.inf, args.jobs)
+    ranked = rank(analyse(search_space(spec, target), gpu, args.jobs), gpu, shape)
+    # (a) every launchable candidate, in the space's own order (not the model's), pruned ones too.
+    order = sorted((r for r in ranked if r.candidate.launchable), key=lambda r: r.label)
+    full, _ = time_candidates(order, shape, device, math.inf, args.jobs)
     t_full = time.monotonic() - t0
-    best = verified_winner(full, shape)  # a fast wrong kernel is no yardstick
+    best = verified_winner(full, shape, device)  # a fast wrong kernel is no yardstick
     if best is None:
         raise SystemExit(f"{name}: every config failed; first errors: {[t.error for t in full[:3]]}")
     ok = [t for t in full if t.ok]
@@ -110,14 +114,15 @@ def evaluate(name, spec, shape, args, db) -> dict:
     t_tune = time.monotonic() - t1
     tuned = result.winner
     # (c) the two winners head to head.
-    best_ms, tuned_ms = head_to_head(best.ranked.spec, tuned.ranked.spec, shape)
+    best_ms, tuned_ms = head_to_head(best.candidate, tuned.candidate, shape, device)
     ratio = tuned_ms / best_ms
     fraction = len(result.timings) / result.launchable
     tuned_ok = [t for t in result.timings if t.ok]
     survivors_ok = [t for t in ok if t.ranked.pruned.survives and t.ranked.estimate is not None]
     best_rank = ranked.index(best.ranked) + 1
     return {
-        "case": name, "spec": spec.to_dict(), "shape": shape.label(), "gpu": gpu.name,
+        "case": name, "spec": spec.to_dict(), "shape": shape.label(), "gpu": gpu.name, "target": target.name,
+        "searched": list(result.searched),
         "space": len(ranked), "launchable": result.launchable, "survivors": sum(r.pruned.survives for r in ranked),
         "best": {"config": best.ranked.label, "ms": best.ms, "tflops": result.tflops(best.ms),
                  "head_to_head_ms": best_ms, "model_rank": best_rank, "verdict": best.ranked.pruned.reason or "ok"},
@@ -180,17 +185,18 @@ def main() -> None:
     (args.out / "tune_eval.json").write_text(json.dumps({"results": results}, indent=1))
     from attngen.tune.db import TuningDB
 
-    TuningDB(args.out / "tuning.sqlite3").export(args.out / "tuning-export.json")
+    if results:  # no case stored anything: no database to export
+        TuningDB(args.out / "tuning.sqlite3").export(args.out / "tuning-export.json")
     print_summary(results)
     print(f"total {time.monotonic() - start:.0f} s")
 
 
 def print_summary(results: list[dict]) -> None:
-    print(f"\n{'case':20s} {'best':14s} {'ms':>7s} {'tuned':14s} {'ms':>7s} {'ratio':>6s} {'timed':>6s} "
+    print(f"\n{'case':20s} {'best':22s} {'ms':>7s} {'tuned':22s} {'ms':>7s} {'ratio':>6s} {'timed':>6s} "
           f"{'rho':>5s} {'rho*':>5s} {'rank':>4s} pass")
     for r in results:
-        print(f"{r['case']:20s} {r['best']['config']:14s} {r['best']['head_to_head_ms']:7.3f} "
-              f"{r['tuned']['config']:14s} {r['tuned']['head_to_head_ms']:7.3f} {r['ratio']:6.3f} "
+        print(f"{r['case']:20s} {r['best']['config']:22s} {r['best']['head_to_head_ms']:7.3f} "
+              f"{r['tuned']['config']:22s} {r['tuned']['head_to_head_ms']:7.3f} {r['ratio']:6.3f} "
               f"{r['fraction_timed']:6.0%} {r['spearman_tuner']:5.2f} {r['spearman_all_survivors']:5.2f} "
               f"{r['best']['model_rank'] or '-':>4} {'yes' if r['pass'] else 'NO'}")
     print("ratio: tuned/best timed head to head; rho: Spearman predicted vs measured over the tuner's timed "

@@ -1,4 +1,6 @@
-"""Shared test configuration: GPU tests (marker `gpu`) skip where no CUDA GPU with CuPy is present."""
+"""Shared test configuration: GPU tests (marker `gpu`) skip where no CUDA GPU with CuPy is present, and
+run once per kernel family the GPU runs (`gpu_family`, `gpu_spec`, `gpu_default_spec`); a stand-in
+compute-sanitizer; a kernel family that needs sm_90a, registered only for the tests that ask for it."""
 
 from __future__ import annotations
 
@@ -22,6 +24,38 @@ def gpu_unavailable_reason() -> str | None:
     except ImportError:
         return "cupy is not installed"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_target():
+    """The target the GPU tests are parametrized for: this GPU's, or the default arch's where there is no
+    GPU (they are collected there, and skipped)."""
+    from attngen import targets
+
+    if gpu_unavailable_reason() is None:
+        import torch
+
+        return targets.device_target(torch.cuda.current_device())
+    return targets.target(targets.DEFAULT_ARCH)
+
+
+def pytest_generate_tests(metafunc):
+    """GPU tests run for every kernel family the GPU runs: a test taking `gpu_family` runs once per family
+    that runs a problem of the fuzzer's built-in pool here, `gpu_spec` once per spec of that pool, and
+    `gpu_default_spec` once per spec of it with the family's default config (attngen/fuzz/pool.py)."""
+    wanted = {"gpu_family", "gpu_spec", "gpu_default_spec"} & set(metafunc.fixturenames)
+    if not wanted:
+        return
+    from attngen import families
+    from attngen.fuzz.pool import builtin_specs
+
+    target = gpu_target()
+    pool = builtin_specs(target)
+    if "gpu_family" in wanted:
+        metafunc.parametrize("gpu_family", list(dict.fromkeys(spec.family for spec in pool)))
+    for name, specs in (("gpu_spec", pool), ("gpu_default_spec", [s for s in pool if s.config is None])):
+        if name in wanted:
+            metafunc.parametrize(name, specs, ids=[families.plan_spec(s, target).name for s in specs])
 
 
 def pytest_collection_modifyitems(config, items):
@@ -59,3 +93,24 @@ def fake_sanitizer(tmp_path, monkeypatch):
     path.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     return SimpleNamespace(path=path, calls=bin_dir / "sanitizer-calls.log")
+
+
+@pytest.fixture
+def sm90a_only_family(monkeypatch):
+    """A kernel family that needs sm_90a (as a wgmma/TMA family does), registered first in preference
+    for this test only: fwd_sm80's kernel under another name, claiming to need sm_90a."""
+    from attngen import families
+    from attngen.families.fwd_sm80.family import Sm80Forward
+
+    class Sm90aOnly(Sm80Forward):
+        name = "fwd_test_sm90a"
+        description = "test double: needs sm_90a"
+
+        def supports(self, problem, target):
+            if target.name != "sm_90a":
+                return f"needs sm_90a (wgmma, setmaxnreg), not {target.name}"
+            return super().supports(problem, target)
+
+    family = Sm90aOnly()
+    monkeypatch.setattr(families, "FAMILIES", {family.name: family, **families.FAMILIES})
+    return family

@@ -1,4 +1,4 @@
-"""The CLI commands that need no GPU: generate, check (nvcc only), and bench's no-GPU error."""
+"""The CLI commands that need no GPU: generate (and --prune), check (nvcc only), and bench's no-GPU error."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from attngen.cli import main
-from attngen.nvcc import nvcc_available, parse_ptxas
-from attngen.render import render
+import attngen
+from attngen.build.nvcc import nvcc_available, parse_ptxas
+from attngen.cli import PACKAGE_ROOT, main
+from attngen.families import get_family, plan_spec
 from attngen.spec import AttentionSpec
 
 needs_nvcc = pytest.mark.skipif(not nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
@@ -25,10 +26,11 @@ def write_spec(path: Path, text: str) -> Path:
     return path
 
 
-# Small pinned tiles: quick to compile, and independent of the tile defaults (which the tuner changes).
-CAUSAL = AttentionSpec(head_dim=128, mask="causal", dtype="bf16", block_m=64, block_n=32, num_warps=4, num_stages=2)
-GQA = AttentionSpec(head_dim=64, dtype="fp16", gqa_ratio=4, arch="sm_80", block_m=64, block_n=64, num_warps=4,
-                    num_stages=2)
+# Small pinned tiles: quick to compile, and independent of the defaults (which the tuner changes).
+CAUSAL = AttentionSpec(head_dim=128, mask="causal", dtype="bf16", family="fwd_sm80",
+                       config=dict(block_m=64, block_n=32, num_warps=4, num_stages=2))
+GQA = AttentionSpec(head_dim=64, dtype="fp16", gqa_ratio=4, arch="sm_80", family="fwd_sm80",
+                    config=dict(block_m=64, block_n=64, num_warps=4, num_stages=2))
 
 
 @pytest.fixture
@@ -45,20 +47,40 @@ def snapshot(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
+def render(spec: AttentionSpec) -> str:
+    plan = plan_spec(spec)
+    return get_family(plan.family).render(plan)
+
+
+def test_version():
+    result = invoke("--version")
+    assert result.exit_code == 0 and attngen.__version__ in result.output
+
+
+# -- generate ---------------------------------------------------------------------
 def test_generate_writes_source_and_manifest(specs, tmp_path):
     out = tmp_path / "gen"
     result = invoke("generate", *specs, "-o", out)
     assert result.exit_code == 0, result.output
     name = CAUSAL.name
+    assert name.endswith("_sm90a")  # no arch in the spec: the default target, spelled in the name
     assert sorted(snapshot(out)) == sorted(f"{s.name}.{ext}" for s in (CAUSAL, GQA) for ext in ("cu", "json"))
     source = (out / f"{name}.cu").read_text()
     assert source == render(CAUSAL)
     assert f"{name}(" in source  # the canonical name is the kernel symbol
     meta = json.loads((out / f"{name}.json").read_text())
+    assert meta["generator"] == "attngen generate" and meta["attngen_version"] == attngen.__version__
     assert meta["name"] == name and meta["source"] == f"{name}.cu"
-    assert meta["spec"] == CAUSAL.resolved().to_dict()
-    assert meta["plan"]["threads"] == meta["spec"]["num_warps"] * 32
-    assert meta["plan"]["arch"] in ("sm_80", "sm_90") and meta["templates"][0] == "fwd.cu.j2"
+    assert meta["spec"] == {**CAUSAL.to_dict(), "arch": "sm_90a"}
+    # The manifest's spec is a spec, and it names this kernel.
+    assert AttentionSpec.from_dict(meta["spec"]).name == name
+    plan = meta["plan"]
+    assert plan["family"] == "fwd_sm80" and plan["target"] == "sm_90a" and plan["config"] == dict(CAUSAL.config)
+    assert plan["threads"] == CAUSAL.config["num_warps"] * 32
+    assert [k["symbol"] for k in plan["kernels"]] == [name]
+    assert meta["templates"][0] == "attngen/families/fwd_sm80/fwd.cu.j2"
+    for template in meta["templates"]:  # paths in the package, as installed
+        assert (PACKAGE_ROOT.parent / template).is_file(), template
     assert meta["source_sha256"] == hashlib.sha256(source.encode()).hexdigest()
     assert str(out / f"{name}.cu") in result.output
 
@@ -73,32 +95,120 @@ def test_generate_is_deterministic(specs, tmp_path):
     assert snapshot(first) == snapshot(second)
 
 
-def test_generate_prune_removes_stale_files(specs, tmp_path):
+def test_generate_specs_differing_only_in_arch(tmp_path):
+    base = "head_dim: 64\nfamily: fwd_sm80\n"
+    sm80 = write_spec(tmp_path / "sm80.yaml", base + "arch: sm_80\n")
+    sm86 = write_spec(tmp_path / "sm86.yaml", base + "arch: sm_86\n")
+    out = tmp_path / "gen"
+    result = invoke("generate", sm80, sm86, "-o", out)
+    assert result.exit_code == 0, result.output
+    names = sorted(p.stem for p in out.glob("*.cu"))
+    assert len(names) == 2 and names[0].endswith("_sm80") and names[1].endswith("_sm86"), names
+    for name in names:
+        meta = json.loads((out / f"{name}.json").read_text())
+        assert meta["plan"]["target"] == "sm_" + name.rsplit("_sm", 1)[1]
+    # sm_90 and sm_90a name one target: one kernel, no conflict.
+    sm90 = write_spec(tmp_path / "sm90.yaml", base + "arch: sm_90\n")
+    sm90a = write_spec(tmp_path / "sm90a.yaml", base + "arch: sm_90a\n")
+    out = tmp_path / "gen90"
+    assert invoke("generate", sm90, sm90a, "-o", out).exit_code == 0
+    assert len(list(out.glob("*.cu"))) == 1
+
+
+# -- generate --prune -----------------------------------------------------------------
+UNRELATED = {
+    "package.json": json.dumps({"name": "web", "version": "1.0.0", "scripts": {}}),
+    "kernels.json": json.dumps({"name": "mine", "source": "mine.cu"}),
+    "mine.cu": "// hand-written\n",
+    "notes.txt": "kept\n",
+    "broken.json": "{not json",
+    "binary.json": "\xff\xfe",
+    "list.json": "[1, 2]",
+    # Says attngen made it, but is not named after the kernel it names: not a manifest attngen wrote.
+    "renamed.json": json.dumps({"generator": "attngen generate", "name": "other", "source": "other.cu",
+                                "source_sha256": "0" * 64}),
+    "other.cu": "// not attngen's\n",
+    # Names a source outside the directory.
+    "escape.json": json.dumps({"generator": "attngen generate", "name": "escape", "source": "../outside.cu",
+                               "source_sha256": "0" * 64}),
+}
+
+
+def test_generate_prune_removes_only_stale_attngen_kernels(specs, tmp_path):
     out = tmp_path / "gen"
     assert invoke("generate", *specs, "-o", out).exit_code == 0
-    (out / "fwd_old_kernel.cu").write_text("// stale\n")
-    (out / "notes.txt").write_text("kept\n")
+    for fname, text in UNRELATED.items():
+        (out / fname).write_text(text)
+    (tmp_path / "outside.cu").write_text("// outside\n")
     result = invoke("generate", specs[0], "-o", out, "--prune")
     assert result.exit_code == 0, result.output
     names = set(snapshot(out))
-    assert "fwd_old_kernel.cu" not in names and "notes.txt" in names
-    assert not any(GQA.name in n for n in names) and f"{CAUSAL.name}.cu" in names
+    # The stale attngen kernel (GQA's) is gone: its source and its manifest.
+    assert f"{GQA.name}.cu" not in names and f"{GQA.name}.json" not in names
+    assert f"removed   {out / (GQA.name + '.cu')}" in result.output
+    # Everything else is untouched.
+    assert {f"{CAUSAL.name}.cu", f"{CAUSAL.name}.json"} | set(UNRELATED) == names
+    for fname, text in UNRELATED.items():
+        assert (out / fname).read_text() == text
+    assert (tmp_path / "outside.cu").is_file()
 
 
+def test_generate_prune_keeps_an_edited_source(specs, tmp_path):
+    out = tmp_path / "gen"
+    assert invoke("generate", *specs, "-o", out).exit_code == 0
+    edited = out / f"{GQA.name}.cu"
+    edited.write_text(edited.read_text() + "// my fix\n")
+    result = invoke("generate", specs[0], "-o", out, "--prune")
+    assert result.exit_code == 0, result.output
+    assert edited.is_file() and (out / f"{GQA.name}.json").is_file()
+    assert "edited since attngen generated it" in result.output
+
+
+def test_generate_prune_removes_attngen_0_1_kernels(specs, tmp_path):
+    """attngen 0.1 wrote manifests without a "generator" field: their kernels are still attngen's."""
+    out = tmp_path / "gen"
+    out.mkdir()
+    old_source = "// Generated by attngen from spec fwd_causal_d128_gqa4_bf16_m128n64w4s2; do not edit.\n"
+    old_name = "fwd_causal_d128_gqa4_bf16_m128n64w4s2"
+    (out / f"{old_name}.cu").write_text(old_source)
+    (out / f"{old_name}.json").write_text(json.dumps({
+        "attngen_version": "0.1.0", "name": old_name, "plan": {"arch": "sm_90"}, "source": f"{old_name}.cu",
+        "source_sha256": hashlib.sha256(old_source.encode()).hexdigest(), "spec": {"head_dim": 128},
+        "templates": ["fwd.cu.j2"]}))
+    # A JSON that merely has a version field is not one.
+    (out / "tool.json").write_text(json.dumps({"attngen_version": "0.1.0", "name": "tool"}))
+    result = invoke("generate", specs[0], "-o", out, "--prune")
+    assert result.exit_code == 0, result.output
+    assert set(snapshot(out)) == {f"{CAUSAL.name}.cu", f"{CAUSAL.name}.json", "tool.json"}
+
+
+def test_generate_without_prune_deletes_nothing(specs, tmp_path):
+    out = tmp_path / "gen"
+    assert invoke("generate", *specs, "-o", out).exit_code == 0
+    assert invoke("generate", specs[0], "-o", out).exit_code == 0
+    assert f"{GQA.name}.cu" in snapshot(out)
+
+
+# -- bad input ----------------------------------------------------------------------
 @pytest.mark.parametrize(
     "text, field, value",
     [
         ("head_dim: 100\n", "head_dim", "100"),
+        ('head_dim: "128"\n', "head_dim", "must be an integer"),
         ("head_dim: 64\ndtype: fp32\n", "dtype", "fp32"),
         ("head_dim: 64\nmask: diagonal\n", "mask", "diagonal"),
+        ("head_dim: 64\narch: sm_75\n", "arch", "sm_75"),
+        ("head_dim: 64\nfamily: fwd_sm70\n", "family", "fwd_sm70"),
         ("head_dim: 64\nblock_size: 64\n", "block_size", None),
+        ("head_dim: 64\nblock_m: 64\n", "block_m", "family: fwd_sm80"),
+        ("head_dim: 64\nmask: none\nmask: causal\n", "mask", "given twice"),
         ("dtype: bf16\n", "head_dim", None),
     ],
 )
 def test_bad_spec_names_file_and_field(tmp_path, text, field, value):
     bad = write_spec(tmp_path / "bad.yaml", text)
     result = invoke("generate", bad, "-o", tmp_path / "gen")
-    assert result.exit_code != 0
+    assert result.exit_code == 1
     assert str(bad) in result.output and field in result.output
     if value is not None:
         assert value in result.output
@@ -106,12 +216,32 @@ def test_bad_spec_names_file_and_field(tmp_path, text, field, value):
     assert not (tmp_path / "gen").exists()
 
 
-def test_missing_and_malformed_spec_files(tmp_path):
+def test_every_problem_of_a_file_is_printed(tmp_path):
+    bad = write_spec(tmp_path / "bad.yaml", "head_dim: 100\ndtype: fp32\nmask: window\n")
+    result = invoke("generate", bad, "-o", tmp_path / "gen")
+    assert result.exit_code == 1 and "3 problems" in result.output
+    for phrase in ("head_dim=100", "dtype='fp32'", "mask='window'"):
+        assert phrase in result.output
+
+
+def test_config_that_does_not_fit_the_target_names_file(tmp_path):
+    spec = AttentionSpec(head_dim=256, arch="sm_80", family="fwd_sm80",
+                         config=dict(block_m=256, block_n=128, num_warps=8, num_stages=4))
+    bad = write_spec(tmp_path / "big.yaml", yaml.safe_dump(spec.to_dict()))
+    result = invoke("generate", bad, "-o", tmp_path / "gen")
+    assert result.exit_code == 1 and result.output.startswith(f"error: {bad}: ") and "shared memory" in result.output
+
+
+def test_missing_binary_and_malformed_spec_files(tmp_path):
     missing = invoke("generate", tmp_path / "nope.yaml")
-    assert missing.exit_code != 0 and "nope.yaml" in missing.output and "error: " in missing.output
+    assert missing.exit_code == 1 and "nope.yaml" in missing.output and "error: " in missing.output
     broken = write_spec(tmp_path / "broken.yaml", "head_dim: [64\n")
     result = invoke("generate", broken)
-    assert result.exit_code != 0 and "broken.yaml" in result.output and "YAML" in result.output
+    assert result.exit_code == 1 and "broken.yaml" in result.output and "YAML" in result.output
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)))
+    result = invoke("generate", binary)
+    assert result.exit_code == 1 and "weights.bin" in result.output and "UTF-8" in result.output
 
 
 def test_generate_needs_no_torch(specs, tmp_path):
@@ -122,6 +252,7 @@ def test_generate_needs_no_torch(specs, tmp_path):
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
+    assert (tmp_path / "gen" / f"{CAUSAL.name}.cu").is_file()
 
 
 def test_bench_without_gpu_exits_2(tmp_path):
@@ -138,25 +269,32 @@ def test_bench_without_gpu_exits_2(tmp_path):
     assert not (tmp_path / "bench").exists()
 
 
+# -- check --------------------------------------------------------------------------
 @needs_nvcc
 def test_check_reports_zero_spills(specs):
     result = invoke("check", specs[0], specs[1])
     assert result.exit_code == 0, result.output
     lines = [line for line in result.output.splitlines() if "fwd_" in line]
-    assert len(lines) == 4, result.output  # two specs x (sm_80, sm_90)
+    assert len(lines) == 4, result.output  # two specs x (sm_80, sm_90a)
     for line in lines:
         assert "0/0" in line and "ok" in line, line
-    assert sum("sm_80" in line for line in lines) == 2
+    assert sum(" sm_80 " in line for line in lines) == 2 and sum(" sm_90a " in line for line in lines) == 2
 
 
 @needs_nvcc
 def test_check_reports_compile_errors_cleanly(specs, monkeypatch):
-    import attngen.render
-
-    monkeypatch.setattr(attngen.render, "render_plan", lambda plan: "this is not CUDA;\n")
+    monkeypatch.setattr(get_family("fwd_sm80"), "render", lambda plan: "this is not CUDA;\n")
     result = invoke("check", "--arch", "sm_80", specs[0])
-    assert result.exit_code != 0
+    assert result.exit_code == 1
     assert "error: " in result.output and "nvcc failed" in result.output and "Traceback" not in result.output
+
+
+def test_check_without_nvcc_says_how_to_get_it(specs, monkeypatch):
+    import attngen.build.nvcc
+
+    monkeypatch.setattr(attngen.build.nvcc, "find_nvcc", lambda: None)
+    result = invoke("check", specs[0])
+    assert result.exit_code == 1 and result.output.startswith("error: nvcc not found") and "CUDA_HOME" in result.output
 
 
 PTXAS_SPILLING = """\
@@ -185,15 +323,16 @@ def test_parse_ptxas_without_the_kernel_is_an_error():
 
 
 def test_check_fails_on_spills(specs, monkeypatch):
+    import attngen.build.nvcc
     import attngen.cli
-    import attngen.nvcc
 
-    def spilling(spec, arch):
-        return parse_ptxas(PTXAS_SPILLING.replace("'kern'", f"'{spec.name}'").replace("for kern", f"for {spec.name}"),
-                           spec.name, arch)
+    def spilling(spec, arch, **kwargs):
+        name = spec.name
+        return parse_ptxas(PTXAS_SPILLING.replace("'kern'", f"'{name}'").replace("for kern", f"for {name}"),
+                           name, arch)
 
-    monkeypatch.setattr(attngen.nvcc, "find_nvcc", lambda: "nvcc")
-    monkeypatch.setattr(attngen.nvcc, "nvcc_version", lambda: "0.0")
+    monkeypatch.setattr(attngen.build.nvcc, "find_nvcc", lambda: "nvcc")
+    monkeypatch.setattr(attngen.build.nvcc, "nvcc_version", lambda: "0.0")
     monkeypatch.setattr(attngen.cli, "check_spec", spilling)
     result = invoke("check", "--arch", "sm_90", specs[0])
     assert result.exit_code == 1, result.output

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 
-from attngen import compiler
-from attngen.render import render
+from attngen.build import compiler
+from attngen.codegen import render as codegen
+from attngen.families import get_family, plan_spec
+from attngen.families.fwd_sm80 import family as fwd_sm80
 from attngen.spec import AttentionSpec
 
 OPTS = ("-std=c++17",)
@@ -33,27 +36,56 @@ def _worker(cache_dir, log_path, delay, queue):
 
 
 def test_key_covers_source_options_arch_and_compiler():
-    base = compiler.cache_key("src", OPTS, "sm_90", "nvrtc-13.0")
-    assert compiler.cache_key("src ", OPTS, "sm_90", "nvrtc-13.0") != base
-    assert compiler.cache_key("src", OPTS + ("-G",), "sm_90", "nvrtc-13.0") != base
+    base = compiler.cache_key("src", OPTS, "sm_90a", "nvrtc-13.0")
+    assert compiler.cache_key("src ", OPTS, "sm_90a", "nvrtc-13.0") != base
+    assert compiler.cache_key("src", OPTS + ("-G",), "sm_90a", "nvrtc-13.0") != base
     assert compiler.cache_key("src", OPTS, "sm_80", "nvrtc-13.0") != base
-    assert compiler.cache_key("src", OPTS, "sm_90", "nvrtc-13.1") != base
+    # The exact target: sm_90a code (wgmma, setmaxnreg) is not sm_90 code.
+    assert compiler.cache_key("src", OPTS, "sm_90", "nvrtc-13.0") != base
+    assert compiler.cache_key("src", OPTS, "sm_90a", "nvrtc-13.1") != base
 
 
-def test_template_edit_changes_source_hash(monkeypatch, tmp_path):
-    """Headers are inlined, so an edit to any template file reaches the cache key."""
-    import shutil
+def render(spec: AttentionSpec) -> str:
+    plan = plan_spec(spec)
+    return get_family(plan.family).render(plan)
 
-    from attngen import render as render_mod
 
-    spec = AttentionSpec(head_dim=64)
-    before = render(spec)
-    copy = tmp_path / "templates"
-    shutil.copytree(render_mod.templates_dir(), copy)
+@pytest.fixture
+def point_templates(monkeypatch):
+    """point_templates(module, attribute, folder): render from an edited copy. Rendering environments are
+    cached per family folder, so the cache is cleared on every change and after the test (monkeypatch
+    then restores the real folders): the copies never leak into other tests."""
+
+    def point(module, attribute, folder):
+        monkeypatch.setattr(module, attribute, folder)
+        codegen.environment.cache_clear()
+
+    yield point
+    codegen.environment.cache_clear()
+
+
+SPEC = AttentionSpec(head_dim=64, family="fwd_sm80")
+
+
+def test_shared_header_edit_changes_source_hash(point_templates, tmp_path):
+    """Headers are inlined, so an edit to any shared header reaches the source, and so the cache key."""
+    before = render(SPEC)
+    copy = tmp_path / "cuda"
+    shutil.copytree(codegen.SHARED_HEADERS, copy)
     (copy / "ptx.cuh").write_text((copy / "ptx.cuh").read_text() + "\n// edited\n")
-    monkeypatch.setattr(render_mod, "templates_dir", lambda: copy)
-    after = render(spec)
+    point_templates(codegen, "SHARED_HEADERS", copy)
+    after = render(SPEC)
     assert "// edited" in after and before != after
+
+
+def test_family_template_edit_changes_source_hash(point_templates, tmp_path):
+    before = render(SPEC)
+    copy = tmp_path / "fwd_sm80"
+    shutil.copytree(fwd_sm80.FOLDER, copy)
+    (copy / "flash_fwd.cuh").write_text((copy / "flash_fwd.cuh").read_text() + "\n// edited family header\n")
+    point_templates(fwd_sm80, "FOLDER", copy)
+    after = render(SPEC)
+    assert "// edited family header" in after and before != after
 
 
 def test_compiles_once_then_hits(monkeypatch, tmp_path):

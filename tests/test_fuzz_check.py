@@ -11,14 +11,15 @@ import torch
 
 from attngen import reference, tolerance
 from attngen.errors import is_sticky_cuda_error
+from attngen.families import plan_spec
 from attngen.fuzz import check
 from attngen.fuzz.case import LAYOUTS, FuzzCase
 from attngen.fuzz.check import FAILURE_KINDS, HARNESS, run_case
 from attngen.fuzz.runners import ReferenceRunner
 from attngen.spec import AttentionSpec
 
-CAUSAL = AttentionSpec(head_dim=64, dtype="bf16", mask="causal", gqa_ratio=2, block_m=16, block_n=16, num_warps=1,
-                       num_stages=2)
+CAUSAL = AttentionSpec(head_dim=64, dtype="bf16", mask="causal", gqa_ratio=2, family="fwd_sm80",
+                       config=dict(block_m=16, block_n=16, num_warps=1, num_stages=2))
 # Sq > Sk under bottom-right causal alignment: the first Sq - Sk rows see no key.
 MASKED_ROWS = FuzzCase(CAUSAL, batch=2, seq_q=21, seq_k=9, heads_kv=2, data_seed=3)
 
@@ -131,7 +132,7 @@ class OverreadsKeyTiles(ReferenceRunner):
     0 * NaN is NaN."""
 
     def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None):
-        block_n = spec.resolved(self.arch).block_n
+        block_n = plan_spec(spec, self.target).block_n
         B, Sk, H, D = k.shape
         rows = -(-Sk // block_n) * block_n
         k_tiles, v_tiles = (torch.as_strided(t, (B, rows, H, D), t.stride(), t.storage_offset()) for t in (k, v))
@@ -145,7 +146,8 @@ class OverreadsKeyTiles(ReferenceRunner):
 
 @pytest.mark.parametrize("layout, batch, heads_kv", [("contiguous", 1, 2), ("transposed", 1, 2), ("padded", 2, 2)])
 def test_a_key_tile_read_past_the_end_pulls_nan_into_the_output(layout, batch, heads_kv):
-    spec = AttentionSpec(head_dim=64, dtype="fp16", block_m=16, block_n=64, num_warps=1, num_stages=2)
+    spec = AttentionSpec(head_dim=64, dtype="fp16", family="fwd_sm80",
+                         config=dict(block_m=16, block_n=64, num_warps=1, num_stages=2))
     case = FuzzCase(spec, batch=batch, seq_q=3, seq_k=65, heads_kv=heads_kv, layout=layout)  # 63 rows past Sk
     assert run_case(replace(case, seq_k=64), OverreadsKeyTiles()).ok  # a whole tile: nothing read past the end
     result = run_case(case, OverreadsKeyTiles())

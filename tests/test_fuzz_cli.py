@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -11,15 +12,18 @@ import torch
 import yaml
 from click.testing import CliRunner
 
+from attngen import targets
 from attngen.cli import main
 from attngen.fuzz import command
 from attngen.fuzz.reproducer import CASE_FILE
 from attngen.fuzz.runners import ReferenceRunner
+from attngen.families import plan_spec
 from attngen.fuzz.strategies import DEFAULT_LIMITS
-from attngen.plan import make_plan
 from attngen.spec import AttentionSpec
 
-SPEC = AttentionSpec(head_dim=64, dtype="fp16", block_m=32, block_n=16, num_warps=2, num_stages=2)
+SPEC = AttentionSpec(head_dim=64, dtype="fp16", family="fwd_sm80",
+                     config=dict(block_m=32, block_n=16, num_warps=2, num_stages=2))
+KERNEL = ReferenceRunner().kernel_name(SPEC)  # its name for the reference's target (sm_90a)
 SMALL = ("--max-seq-len", "48")
 
 
@@ -61,8 +65,8 @@ def fuzz(*args):
 def test_passing_run_prints_a_summary_and_exits_0(runners, spec_file, tmp_path):
     result = fuzz(spec_file, "--examples", 12, "--seed", 3, *SMALL, "--out", tmp_path / "out")
     assert result.exit_code == 0, result.output
-    assert "attngen fuzz: 1 specs, up to 12 cases, seed 3" in result.output
-    assert SPEC.name in result.output and "12 cases in" in result.output and "0 failures" in result.output
+    assert "attngen fuzz: 1 specs, up to 12 cases, seed 3\n  target sm_90a, families fwd_sm80: 1\n" in result.output
+    assert KERNEL in result.output and "12 cases in" in result.output and "0 failures" in result.output
     assert "gradients: not checked, no spec has a backward pass yet" in result.output
     assert not (tmp_path / "out" / "failures").exists()
 
@@ -77,7 +81,7 @@ def test_failure_is_shrunk_written_and_replayable(runners, spec_file, tmp_path):
     assert path.parent == tmp_path / "out" / "failures" and json.loads((path / CASE_FILE).read_text())["failure"]
 
     broken = fuzz("--replay", path)
-    assert broken.exit_code == 1 and broken.output.startswith(f"FAIL {path}: {SPEC.name} B=1 Sq=1 Sk=2")
+    assert broken.exit_code == 1 and broken.output.startswith(f"FAIL {path}: {KERNEL} B=1 Sq=1 Sk=2")
     runners["runner"] = ReferenceRunner
     fixed = fuzz("--replay", path)
     assert fixed.exit_code == 0 and fixed.output.startswith(f"PASS {path}")
@@ -95,11 +99,32 @@ def test_fault_reaches_the_runner_and_the_reproducer(runners, spec_file, tmp_pat
 
 
 def test_builtin_and_random_specs(runners):
-    from attngen.fuzz.strategies import BUILTIN_SPECS
+    from attngen.fuzz.pool import builtin_specs
 
+    builtin = builtin_specs(ReferenceRunner.target)
+    result = fuzz("--examples", 3, "--seed", 0, "--max-seq-len", 8)
+    assert result.exit_code == 0, result.output
+    assert f"attngen fuzz: {len(builtin)} specs" in result.output
+    # The pool is asked of the families: each that runs on the target is listed with its specs.
+    counts = Counter(spec.family for spec in builtin)
+    assert f"target sm_90a, families {', '.join(f'{f}: {n}' for f, n in counts.items())}\n" in result.output
     result = fuzz("--examples", 3, "--seed", 0, "--max-seq-len", 8, "--random-specs", "--random-spec-count", 4)
     assert result.exit_code == 0, result.output
-    assert f"attngen fuzz: {len(BUILTIN_SPECS) + 4} specs" in result.output
+    assert f"attngen fuzz: {len(builtin) + 4} specs" in result.output
+
+
+def test_a_spec_file_pinning_a_family_this_gpu_cannot_run_is_a_usage_error(runners, tmp_path, sm90a_only_family):
+    class OnAnA100(ReferenceRunner):
+        target = targets.target("sm_80")
+
+    runners["runner"] = OnAnA100
+    path = tmp_path / "hopper.yaml"
+    path.write_text(yaml.safe_dump(SPEC.replace(family=sm90a_only_family.name).to_dict()))
+    result = fuzz(path, "--examples", 3)
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert f"Invalid value for SPEC: {path}: family='{sm90a_only_family.name}' cannot run" in text
+    assert "on sm_80: needs sm_90a" in text
 
 
 @pytest.mark.parametrize("errors, exit_code", [(0, 0), (3, 1)])
@@ -110,7 +135,7 @@ def test_sanitize_replays_one_case_per_kernel(runners, spec_file, tmp_path, monk
     assert result.exit_code == exit_code, result.output
     assert "note: --sanitize-sample 20, but only 1 kernels" in result.output
     (sample,) = (tmp_path / "out" / "sanitize").iterdir()
-    assert sample.name.startswith(SPEC.name)
+    assert sample.name.startswith(KERNEL)
     assert f"sanitizer: {2 if errors == 0 else 1}/2 runs clean over 1 kernels" in result.output
     if errors:
         assert "memcheck finding for" in result.output and "rerun with:" in result.output
@@ -165,7 +190,7 @@ class NamesTheFault(ReferenceRunner):
         self.fault, self.launched = None, []
 
     def kernel_name(self, spec):
-        return make_plan(spec, self.arch, fault=self.fault).name
+        return plan_spec(spec, self.target, fault=self.fault).name
 
     def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None):
         super().__call__(spec, q, k, v, out=out, lse=lse, softmax_scale=softmax_scale)
@@ -183,7 +208,7 @@ def test_replay_sanitize_instruments_the_kernel_this_gpu_runs_and_passes_the_fau
     (path / CASE_FILE).write_text(json.dumps(record))
     runners["runner"] = NamesTheFault
     result = fuzz("--replay", path, "--sanitize", "--fault", FAULT)
-    faulty = make_plan(SPEC, "sm_90", fault=FAULT).name
+    faulty = plan_spec(SPEC, ReferenceRunner.target, fault=FAULT).name
     assert result.exit_code == 0, result.output
     assert "recorded for kernel fwd_compiled_on_another_gpu; this GPU runs " + faulty in result.output
     assert f"launched kernel {faulty}" in result.output  # what a replay under the sanitizer prints
@@ -198,7 +223,7 @@ def test_sanitize_that_instruments_nothing_is_not_clean(runners, spec_file, tmp_
     monkeypatch.setenv("FAKE_LAUNCHED", "fwd_some_other_kernel")
     result = fuzz("--replay", path, "--sanitize")
     assert result.exit_code == 2, result.output  # a harness error: nothing was checked
-    assert f"{SPEC.name} never launched, so nothing was instrumented (the replay launched fwd_some_other_kernel)" \
+    assert f"{KERNEL} never launched, so nothing was instrumented (the replay launched fwd_some_other_kernel)" \
         in result.output
     assert "memcheck harness error (the kernel was not checked)" in result.output
     assert "sanitizer: 0/2 runs clean over 1 kernels" in result.output

@@ -6,24 +6,28 @@ import json
 from dataclasses import replace
 
 import pytest
+import yaml
 
 import attngen
+from attngen import targets
+from attngen.families import plan_spec
 from attngen.fuzz.case import GUARD_ROWS, FuzzCase, input_digest
 from attngen.fuzz.check import run_case
 from attngen.fuzz.reproducer import CASE_FILE, SPEC_FILE, load_reproducer, replay, reproducer_dir, write_reproducer
 from attngen.fuzz.runners import Machine, ReferenceRunner
 from attngen.spec import AttentionSpec
 
-SPEC = AttentionSpec(head_dim=64, dtype="fp16", mask="causal", gqa_ratio=3, block_m=32, block_n=16, num_warps=2,
-                     num_stages=2)
+SPEC = AttentionSpec(head_dim=64, dtype="fp16", mask="causal", gqa_ratio=3, family="fwd_sm80",
+                     config=dict(block_m=32, block_n=16, num_warps=2, num_stages=2))
 CASE = FuzzCase(SPEC, batch=2, seq_q=19, seq_k=7, heads_kv=2, layout="padded", logit_scale=30.0,
                 softmax_scale=0.5, data_seed=12345)
-A10 = Machine("sm_80", "sm_86", "NVIDIA A10", "nvrtc-12.4")
+A10 = Machine("sm_86", "NVIDIA A10", "nvrtc-12.4")
 
 
 class WrongOnLongKeys(ReferenceRunner):
-    """Zeroes the output whenever there are more than 5 keys."""
+    """Zeroes the output whenever there are more than 5 keys (on an A10: its kernels are planned for sm_86)."""
 
+    target = targets.target("sm_86")
     machine = A10
 
     def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None):
@@ -43,21 +47,26 @@ def written(tmp_path):
 
 def test_reproducer_records_the_case_and_loads_back_to_it(written):
     path, failure = written
-    assert path.name.startswith(f"{SPEC.name}-") and sorted(p.name for p in path.iterdir()) == [CASE_FILE, SPEC_FILE]
+    kernel = plan_spec(SPEC, targets.target("sm_86")).name
+    assert failure.kernel == kernel and kernel.endswith("_sm86")
+    assert path.name.startswith(f"{kernel}-") and sorted(p.name for p in path.iterdir()) == [CASE_FILE, SPEC_FILE]
+    # spec.yaml pins the family and config, and loads back to the same spec.
     assert attngen.load_spec(path / SPEC_FILE) == SPEC
+    assert yaml.safe_load((path / SPEC_FILE).read_text()) == SPEC.to_dict()
+    assert SPEC.to_dict()["family"] == "fwd_sm80" and SPEC.to_dict()["config"]["block_m"] == 32
     record = json.loads((path / CASE_FILE).read_text())
     assert record["shape"]["q"] == [2, 19, 6, 64] and record["shape"]["k"] == [2, 7, 2, 64]
     assert record["layout"]["name"] == "padded"
     assert record["layout"]["strides"]["q"] == [(19 + GUARD_ROWS) * 6 * 72, 6 * 72, 72, 1]
     assert record["dtype"] == "fp16" and record["softmax_scale"] == 0.5 and record["effective_scale"] == 0.5
     assert record["data"] == {"seed": 12345, "logit_scale": 30.0, "sha256": input_digest(CASE)}
-    assert record["kernel"] == SPEC.name and record["fault"] is None
-    assert record["machine"] == {"arch": "sm_80", "target": "sm_86", "gpu": "NVIDIA A10", "nvrtc": "nvrtc-12.4"}
+    assert record["kernel"] == kernel and record["fault"] is None
+    assert record["machine"] == {"target": "sm_86", "gpu": "NVIDIA A10", "nvrtc": "nvrtc-12.4"}
     assert record["attngen_version"] == attngen.__version__
     assert record["failure"] == {"kind": failure.kind, "detail": failure.detail}
     assert record["replay"] == f"attngen fuzz --replay {path}"
     repro = load_reproducer(path)
-    assert repro.case == CASE and repro.kernel == SPEC.name and repro.path == path and repro.machine == A10
+    assert repro.case == CASE and repro.kernel == kernel and repro.path == path and repro.machine == A10
     assert load_reproducer(path / CASE_FILE).case == CASE
 
 
@@ -93,23 +102,29 @@ def test_replay_warns_when_data_or_kernel_differ_from_the_recording(written):
 
 
 class OnAnH100(ReferenceRunner):
-    machine = Machine("sm_90", "sm_90", "NVIDIA H100 80GB HBM3", "nvrtc-12.8")
+    machine = Machine("sm_90a", "NVIDIA H100 80GB HBM3", "nvrtc-12.8")
 
 
 def test_replay_warns_about_another_target_gpu_nvrtc_or_attngen_but_runs(written):
     path, failure = written
     _edit_record(path, lambda record: record.update(attngen_version="0.0.1"))
     result, warnings = replay(load_reproducer(path), OnAnH100())
+    h100_kernel = plan_spec(SPEC, OnAnH100.target).name
     assert result.ok and warnings == [
-        "recorded with compile target sm_86; this replay has sm_90: it may not reproduce",
+        f"recorded for kernel {failure.kernel}; this GPU runs {h100_kernel} (another target, default family or "
+        "config, or fault?)",
+        "recorded with compile target sm_86; this replay has sm_90a: it may not reproduce",
         "recorded with GPU NVIDIA A10; this replay has NVIDIA H100 80GB HBM3: it may not reproduce",
         "recorded with NVRTC nvrtc-12.4; this replay has nvrtc-12.8: it may not reproduce",
         f"recorded with attngen 0.0.1; this is attngen {attngen.__version__}: the kernel source may differ",
     ]
-    # sm_86 and sm_80 are one arch family but two compile targets: that is worth a warning too.
+    # sm_86 and sm_80 run the same family, but they are two compile targets: that is worth a warning too.
+    a100 = targets.target("sm_80")
     _, warnings = replay(load_reproducer(path), type("OnAnA100", (ReferenceRunner,), {
-        "machine": Machine("sm_80", "sm_80", "NVIDIA A10", "nvrtc-12.4")})())
+        "target": a100, "machine": Machine("sm_80", "NVIDIA A10", "nvrtc-12.4")})())
     assert [w for w in warnings if "attngen" not in w] == [
+        f"recorded for kernel {failure.kernel}; this GPU runs {plan_spec(SPEC, a100).name} (another target, default "
+        "family or config, or fault?)",
         "recorded with compile target sm_86; this replay has sm_80: it may not reproduce"]
 
 
@@ -121,7 +136,7 @@ def test_replay_warns_about_another_target_gpu_nvrtc_or_attngen_but_runs(written
         (lambda r: r["layout"].update(name="nhwc"), r"case.json: layout='nhwc' is invalid"),
         (lambda r: r.update(dtype="bf16"), r"case.json: dtype='bf16' disagrees with spec.yaml .*; allowed: 'fp16'"),
         (lambda r: r["shape"].update(heads_q=4), r"case.json: shape.heads_q=4 disagrees with spec.yaml .*; allowed: 6"),
-        (lambda r: r.update(format=1), r"case.json: format=1 is not supported; allowed: 2 \(rerun the fuzz"),
+        (lambda r: r.update(format=2), r"case.json: format=2 is not supported; allowed: 3 \(rerun the fuzz"),
         (lambda r: r.pop("machine"), r"case.json: missing field 'machine'"),
         # Derived fields someone edited: each would describe another case than the one replayed.
         (lambda r: r["layout"]["strides"].update(q=[1, 2, 3, 4]),
@@ -149,3 +164,26 @@ def test_missing_or_unreadable_reproducers_are_errors_naming_the_path(tmp_path):
     (tmp_path / SPEC_FILE).write_text("head_dim: 64\n")
     with pytest.raises(ValueError, match="case.json: not valid JSON"):
         load_reproducer(tmp_path)
+
+
+def test_an_older_reproducer_is_refused_by_its_format_before_its_spec_is_read(written):
+    # Format 2 wrote tile fields into spec.yaml, which specs no longer take: the format says what to do.
+    path, _ = written
+    _edit_record(path, lambda record: record.update(format=2))
+    (path / SPEC_FILE).write_text("head_dim: 64\ndtype: fp16\nblock_m: 32\nblock_n: 16\n")
+    with pytest.raises(ValueError, match=r"case.json: format=2 is not supported; allowed: 3 \(rerun the fuzz"):
+        load_reproducer(path)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_pool_and_random_spec_round_trips_through_a_reproducer(tmp_path, arch):
+    from attngen.fuzz.pool import builtin_specs, random_spec_pool
+
+    target = targets.target(arch)
+    for i, spec in enumerate(builtin_specs(target) + random_spec_pool(1, 16, target)):
+        case = FuzzCase(spec, batch=1, seq_q=3, seq_k=4, heads_kv=1, data_seed=i)
+        kernel = plan_spec(spec, target).name
+        path = write_reproducer(reproducer_dir(tmp_path, case, kernel), case, kernel=kernel,
+                                machine=Machine(target.name))
+        repro = load_reproducer(path)
+        assert repro.case == case and repro.case.spec.to_dict() == spec.to_dict() and repro.kernel == kernel

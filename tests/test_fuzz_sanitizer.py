@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from attngen import targets
 from attngen.fuzz import sanitizer
 from attngen.fuzz.case import FuzzCase
 from attngen.fuzz.sanitizer import (LAUNCHED_LINE, SanitizerReport, SanitizerResult, choose_samples, parse_report,
@@ -104,14 +105,35 @@ def test_command_instruments_only_the_kernel_and_replays_the_case():
     assert command[-4:] == ["--replay", "d", "--fault", "f"] and "kns=fwd_x_fault_f" in command
 
 
-SPEC = AttentionSpec(head_dim=64, dtype="fp16", block_m=32, block_n=16, num_warps=2, num_stages=2)
+SPEC = AttentionSpec(head_dim=64, dtype="fp16", family="fwd_sm80",
+                     config=dict(block_m=32, block_n=16, num_warps=2, num_stages=2))
 
 
 def test_sample_prefers_cheap_cases_with_partial_tiles():
     exact = FuzzCase(SPEC, batch=1, seq_q=64, seq_k=64, heads_kv=1)
     partial = FuzzCase(SPEC, batch=2, seq_q=65, seq_k=33, heads_kv=2, layout="transposed")
     huge = FuzzCase(SPEC, batch=3, seq_q=4097, seq_k=4097, heads_kv=3, layout="padded")
-    assert sorted([exact, huge, partial], key=lambda c: sample_key(c, "sm_90")) == [partial, exact, huge]
+    hopper = targets.target("sm_90")
+    assert sorted([exact, huge, partial], key=lambda c: sample_key(c, hopper)) == [partial, exact, huge]
+
+
+def test_sample_tile_edges_are_those_of_the_plan_on_the_target():
+    # d128's default key tile is 64 on sm_90 and 32 on sm_86: Sk = 96 is a partial tile on sm_90 only.
+    spec = AttentionSpec(head_dim=128, dtype="bf16", family="fwd_sm80")
+    case = FuzzCase(spec, batch=1, seq_q=128, seq_k=96, heads_kv=1)
+    assert sample_key(case, targets.target("sm_90"))[1] == sample_key(case, targets.target("sm_86"))[1] - 1
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_kernel_of_a_plan_has_the_plans_name_in_its_symbol(arch):
+    # The sanitizer instruments kns=<plan name> (a substring of the symbol): it must reach every kernel.
+    from attngen.families import plan_spec
+    from attngen.fuzz.pool import builtin_specs
+
+    target = targets.target(arch)
+    for spec in builtin_specs(target):
+        plan = plan_spec(spec, target)
+        assert plan.kernels and all(plan.name in kernel.symbol for kernel in plan.kernels), plan.name
 
 
 def test_choose_samples_takes_kernels_with_a_passing_case_in_name_order():

@@ -7,8 +7,12 @@ from __future__ import annotations
 import math
 import time
 
+import pytest
 import torch
 
+from attngen import targets
+from attngen.errors import SpecError
+from attngen.families import plan_spec
 from attngen.fuzz.case import FuzzCase
 from attngen.fuzz.reproducer import load_reproducer, replay, reproducer_dir, write_reproducer
 from attngen.fuzz.runners import ReferenceRunner
@@ -18,9 +22,10 @@ from attngen.masks import get_mask
 from attngen.spec import AttentionSpec
 
 SPECS = (
-    AttentionSpec(head_dim=64, dtype="fp16", block_m=32, block_n=16, num_warps=2, num_stages=2),
-    AttentionSpec(head_dim=64, dtype="bf16", mask="causal", gqa_ratio=2, block_m=16, block_n=32, num_warps=1,
-                  num_stages=2),
+    AttentionSpec(head_dim=64, dtype="fp16", family="fwd_sm80",
+                  config=dict(block_m=32, block_n=16, num_warps=2, num_stages=2)),
+    AttentionSpec(head_dim=64, dtype="bf16", mask="causal", gqa_ratio=2, family="fwd_sm80",
+                  config=dict(block_m=16, block_n=32, num_warps=1, num_stages=2)),
 )
 LIMITS = DEFAULT_LIMITS.up_to(72)
 
@@ -43,7 +48,7 @@ class DropsLastPartialKeyTile(ReferenceRunner):
     `drop_last_partial_kv_tile`, emulated): the smallest failing case has Sk = block_n + 1."""
 
     def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None):
-        block_n = spec.resolved(self.arch).block_n
+        block_n = plan_spec(spec, self.target).block_n
         kept = k.shape[1] - k.shape[1] % block_n
         if not 0 < kept < k.shape[1]:
             return super().__call__(spec, q, k, v, out=out, lse=lse, softmax_scale=softmax_scale)
@@ -66,10 +71,11 @@ class Counting(ReferenceRunner):
 
 
 def test_correct_runner_passes_every_case_and_stats_add_up():
-    outcome = search(SPECS, ReferenceRunner(), examples=60, seed=1, limits=LIMITS)
+    runner = ReferenceRunner()
+    outcome = search(SPECS, runner, examples=60, seed=1, limits=LIMITS)
     assert outcome.failure is None and outcome.stopped == "examples" and outcome.cases == 60
     assert sum(s.cases for s in outcome.kernels.values()) == 60
-    assert set(outcome.kernels) == {spec.name for spec in SPECS}
+    assert set(outcome.kernels) == {runner.kernel_name(spec) for spec in SPECS}
     assert all(s.sample is not None and s.failures == 0 for s in outcome.kernels.values())
     assert outcome.throughput > 0
 
@@ -89,7 +95,7 @@ def test_dropped_partial_key_tile_is_found_and_shrunk_to_the_minimal_case(tmp_pa
     runner = DropsLastPartialKeyTile()
     outcome = search(SPECS, runner, examples=300, seed=0, limits=LIMITS)
     assert outcome.stopped == "failure" and outcome.shrunk and outcome.failure.kind in ("output", "lse")
-    block_n = SPECS[0].resolved(runner.arch).block_n
+    block_n = plan_spec(SPECS[0], runner.target).block_n
     assert outcome.failure.case == FuzzCase(SPECS[0], batch=1, seq_q=1, seq_k=block_n + 1, heads_kv=1)
     assert outcome.cases < 300 and outcome.shrink_steps > 0
 
@@ -185,3 +191,22 @@ def test_an_unexpected_exception_in_a_case_is_a_harness_error(monkeypatch):
     outcome = search(SPECS, ReferenceRunner(), examples=10, seed=0, limits=LIMITS)
     assert outcome.stopped == "harness error" and outcome.cases == 1
     assert outcome.harness_error.detail == "AssertionError: a bug in the harness"
+
+
+def test_a_spec_the_runners_target_cannot_plan_is_refused_before_any_case_runs(sm90a_only_family):
+    runner = Counting()
+    runner.target = targets.target("sm_80")  # an A100 (the reference stands in for its kernels)
+    spec = SPECS[0].replace(family=sm90a_only_family.name)
+    with pytest.raises(SpecError, match=rf"family='{sm90a_only_family.name}' cannot run .* on sm_80: needs sm_90a"):
+        search([SPECS[1], spec], runner, examples=5, seed=0, limits=LIMITS)
+    assert runner.calls == 0
+
+
+def test_a_runner_that_cannot_name_a_kernel_is_a_harness_error():
+    class Unnamed(ReferenceRunner):
+        def kernel_name(self, spec):
+            raise RuntimeError("no name")
+
+    outcome = search(SPECS, Unnamed(), examples=5, seed=0, limits=LIMITS)
+    assert outcome.stopped == "harness error" and outcome.cases == 1
+    assert outcome.harness_error.kernel.startswith("spec {") and outcome.harness_error.detail == "RuntimeError: no name"

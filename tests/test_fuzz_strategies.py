@@ -2,26 +2,27 @@
 
 from __future__ import annotations
 
-import random
 from dataclasses import replace
 
 import pytest
 import torch
 from hypothesis import HealthCheck, find, given, settings
-from hypothesis import strategies as st
 
+from attngen import targets
+from attngen.families import plan_spec
 from attngen.fuzz.case import (GUARD_ROWS, LAYOUTS, PAD, FuzzCase, buffer_elements, host_inputs, input_digest,
                                make_inputs, make_outputs)
-from attngen.fuzz.strategies import (BUILTIN_SPECS, DEFAULT_LIMITS, LOGIT_SCALES, fuzz_cases, random_spec,
-                                     random_spec_pool)
+from attngen.fuzz import strategies
+from attngen.fuzz.strategies import DEFAULT_LIMITS, LOGIT_SCALES, fuzz_cases
 from attngen.masks import get_mask
-from attngen.plan import make_plan
 from attngen.spec import AttentionSpec
 
+# Small tiles, so lengths around several tile multiples fit in the short lengths drawn here.
 SPECS = (
-    AttentionSpec(head_dim=64, dtype="fp16", block_m=32, block_n=16, num_warps=2, num_stages=2),
-    AttentionSpec(head_dim=64, dtype="bf16", mask="causal", gqa_ratio=4, block_m=16, block_n=32, num_warps=1,
-                  num_stages=2),
+    AttentionSpec(head_dim=64, dtype="fp16", family="fwd_sm80",
+                  config=dict(block_m=32, block_n=16, num_warps=2, num_stages=2)),
+    AttentionSpec(head_dim=64, dtype="bf16", mask="causal", gqa_ratio=4, family="fwd_sm80",
+                  config=dict(block_m=16, block_n=32, num_warps=1, num_stages=2)),
 )
 LIMITS = DEFAULT_LIMITS.up_to(200)
 CASES = fuzz_cases(SPECS, LIMITS)
@@ -44,7 +45,8 @@ def test_cases_are_valid_and_within_the_limits(case):
 
 
 def _tile(case):
-    return case.spec.resolved("sm_90").tile
+    """The tiles the cases' lengths are drawn around: the plan's on the default target (fuzz_cases' default)."""
+    return plan_spec(case.spec, targets.target(targets.DEFAULT_ARCH))
 
 
 def _fully_masked_rows(case):
@@ -88,33 +90,25 @@ def test_the_largest_logit_scale_gives_scores_near_1e4(head_dim):
     assert 5e3 <= scores.std() <= 2e4 and scores.abs().max() >= 1e4
 
 
-def test_builtin_specs_are_distinct_plannable_and_cover_the_spec_files():
-    assert len(set(BUILTIN_SPECS)) == len(BUILTIN_SPECS)
-    for spec in BUILTIN_SPECS:
-        make_plan(spec, "sm_90")
-        make_plan(spec, "sm_80")
-    from pathlib import Path
+@pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
+def test_tile_edges_follow_the_plan_on_the_runners_target(arch, monkeypatch):
+    # d128's default tiles differ between these targets (m128n32 on 99 KB of shared memory, m128n64 on
+    # 227 KB): the near-multiple lengths must be those of the plan the runner's target gets.
+    spec = AttentionSpec(head_dim=128, dtype="bf16", family="fwd_sm80")
+    target = targets.target(arch)
+    plan = plan_spec(spec, target)
+    assert plan_spec(spec, targets.target("sm_86")).block_n != plan_spec(spec, targets.target("sm_90")).block_n
+    blocks = set()
+    real = strategies.near_multiples
+    monkeypatch.setattr(strategies, "near_multiples", lambda block, max_len: blocks.add(block) or real(block, max_len))
 
-    import attngen
+    @settings(max_examples=100, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case=fuzz_cases([spec], LIMITS, target))
+    def draw(case):
+        pass
 
-    names = {spec.resolved("sm_90").name for spec in BUILTIN_SPECS}
-    for path in sorted(Path(__file__).parent.parent.glob("specs/*.yaml")):
-        assert attngen.load_spec(path).resolved().name in names, f"{path} has no built-in counterpart"
-
-
-@settings(max_examples=200, database=None, deadline=None)
-@given(seed=st.integers(0, 2**32), arch=st.sampled_from(["sm_80", "sm_90"]))
-def test_random_specs_are_valid_on_their_arch(seed, arch):
-    spec = random_spec(random.Random(seed), arch)
-    make_plan(spec, arch)
-
-
-def test_random_spec_pool_is_a_function_of_the_seed():
-    pool = random_spec_pool(7, 16, "sm_90")
-    assert len(pool) == len(set(pool)) == 16
-    assert pool == random_spec_pool(7, 16, "sm_90")
-    assert pool != random_spec_pool(8, 16, "sm_90")
-    assert any(spec.block_m is not None for spec in pool) and any(spec.mask == "causal" for spec in pool)
+    draw()
+    assert blocks == {plan.block_m, plan.block_n}
 
 
 def test_fuzz_cases_needs_a_spec():
@@ -222,10 +216,10 @@ def test_a_whole_tile_read_past_the_ends_lands_in_nan(layout):
     assert _all_nan_in_buffer(lse, torch.arange(last + 1, last + 1 + GUARD_ROWS))
 
 
-def test_guards_are_a_whole_tile_and_keep_rows_aligned():
-    from attngen.spec import BLOCK_MS, BLOCK_NS, HEAD_DIMS
+def test_guards_keep_rows_aligned():
+    from attngen.spec import HEAD_DIMS
 
-    assert GUARD_ROWS >= max(BLOCK_MS) and GUARD_ROWS >= max(BLOCK_NS)
+    # tests/test_fuzz_pool.py checks GUARD_ROWS against every family's tiles.
     assert all(d % 8 == 0 for d in HEAD_DIMS) and PAD % 8 == 0  # 16-byte aligned rows and guards
 
 

@@ -1,4 +1,6 @@
-"""Forward kernel against the float64 reference on a GPU (marker `gpu`).
+"""Forward kernels against the float64 reference on a GPU (marker `gpu`), for every kernel family that
+runs on it: conftest.py parametrizes `gpu_family`, `gpu_spec` and `gpu_default_spec` from the fuzzer's
+built-in pool for this GPU (attngen/fuzz/pool.py), so each family is tested through specs pinned to it.
 
 Outputs are NaN-poisoned before every launch so an unwritten element fails; bounds
 come from attngen.tolerance (one per dtype, derived from the numerics).
@@ -6,31 +8,45 @@ come from attngen.tolerance (one per dtype, derived from the numerics).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import attngen
-from attngen import reference, tolerance
+from attngen import families, reference, targets, tolerance
+from attngen.dtypes import DTYPES, torch_dtype
+from attngen.errors import SpecError
 from attngen.fuzz.case import make_inputs as make_case_inputs
-from attngen.fuzz.strategies import BUILTIN_SPECS, ODD_LENGTHS, fuzz_cases
-from attngen.spec import AttentionSpec
+from attngen.fuzz.pool import builtin_specs
+from attngen.fuzz.strategies import ODD_LENGTHS, fuzz_cases
+from attngen.spec import HEAD_DIMS, AttentionSpec
 
 pytestmark = pytest.mark.gpu
 
-TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
 
-# A fixed pool of specs keeps the number of distinct compiles (seconds each) bounded; it and the
-# case strategy are the fuzzer's (attngen/fuzz/strategies.py), shared rather than copied.
-SPEC_POOL = BUILTIN_SPECS
+def this_target():
+    import torch
+
+    return targets.device_target(torch.cuda.current_device())
+
+
+def pinned(gpu_family: str, **problem) -> AttentionSpec:
+    """A spec of `problem` pinned to the family under test."""
+    spec = AttentionSpec(**problem, family=gpu_family)
+    reason = families.get_family(gpu_family).supports(spec.problem, this_target())
+    assert reason is None, f"{gpu_family} runs problems of the pool here, but not {spec.problem.label()}: {reason}"
+    return spec
 
 
 def make_inputs(spec, B, Sq, Sk, Hkv, *, transposed=False, logit_scale=1.0, seed=0):
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    dtype = getattr(torch, TORCH_DTYPE[spec.dtype])
+    dtype = torch_dtype(spec.dtype)
     Hq = Hkv * spec.gqa_ratio
 
     def rand(S, H, scale=1.0):
@@ -45,6 +61,8 @@ def run_and_check(spec, q, k, v, softmax_scale=None):
     import torch
 
     kernel = attngen.compile(spec)
+    assert spec.family is None or kernel.plan.family == spec.family
+    assert kernel.plan.target == this_target()  # planned and built for this GPU, whatever the spec's arch
     B, Sq, Hq, D = q.shape
     Sk = k.shape[1]
     out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format).contiguous()
@@ -54,27 +72,25 @@ def run_and_check(spec, q, k, v, softmax_scale=None):
     scale = spec.effective_scale if softmax_scale is None else softmax_scale
     ref, ref_lse = reference.attention_for_spec(q, k, v, spec, softmax_scale=scale, return_lse=True)
     bad = tolerance.check_output(out, ref, q, k, v, spec.dtype, scale) or tolerance.check_lse(lse, ref_lse, q, k, scale)
-    assert bad is None, f"{spec.name} B={B} Sq={Sq} Sk={Sk} Hq={Hq}: {bad}"
+    assert bad is None, f"{kernel.plan.name} B={B} Sq={Sq} Sk={Sk} Hq={Hq}: {bad}"
 
 
-@pytest.mark.parametrize("spec", SPEC_POOL[:7], ids=lambda s: s.name)
 @pytest.mark.parametrize("Sq,Sk", [(n, n) for n in ODD_LENGTHS] + [(1, 4097), (129, 17), (1000, 127), (17, 1000)])
-def test_odd_lengths(spec, Sq, Sk):
-    q, k, v = make_inputs(spec, B=1, Sq=Sq, Sk=Sk, Hkv=2, seed=Sq * 7919 + Sk)
-    run_and_check(spec, q, k, v)
+def test_odd_lengths(gpu_default_spec, Sq, Sk):
+    q, k, v = make_inputs(gpu_default_spec, B=1, Sq=Sq, Sk=Sk, Hkv=2, seed=Sq * 7919 + Sk)
+    run_and_check(gpu_default_spec, q, k, v)
 
 
-@pytest.mark.parametrize("spec", SPEC_POOL, ids=lambda s: s.name)
-def test_strided_bhsd_inputs(spec):
-    q, k, v = make_inputs(spec, B=2, Sq=300, Sk=257, Hkv=2, transposed=True, seed=3)
+def test_strided_bhsd_inputs(gpu_spec):
+    q, k, v = make_inputs(gpu_spec, B=2, Sq=300, Sk=257, Hkv=2, transposed=True, seed=3)
     assert not q.is_contiguous()
-    run_and_check(spec, q, k, v)
+    run_and_check(gpu_spec, q, k, v)
 
 
-def test_fully_masked_rows_give_zero_and_neg_inf():
+def test_fully_masked_rows_give_zero_and_neg_inf(gpu_family):
     import torch
 
-    spec = AttentionSpec(head_dim=64, dtype="bf16", mask="causal")
+    spec = pinned(gpu_family, head_dim=64, dtype="bf16", mask="causal")
     q, k, v = make_inputs(spec, B=1, Sq=300, Sk=40, Hkv=3, seed=5)
     out, lse = attngen.attention(q, k, v, spec, return_lse=True)
     hidden = 300 - 40  # bottom-right alignment: rows below Sq - Sk see no key
@@ -83,32 +99,39 @@ def test_fully_masked_rows_give_zero_and_neg_inf():
     run_and_check(spec, q, k, v)
 
 
-def test_large_logits_and_custom_scale():
-    spec = AttentionSpec(head_dim=128, dtype="bf16", mask="causal")
+def test_large_logits_and_custom_scale(gpu_family):
+    spec = pinned(gpu_family, head_dim=128, dtype="bf16", mask="causal")
     q, k, v = make_inputs(spec, B=1, Sq=513, Sk=513, Hkv=2, logit_scale=30.0, seed=11)
     run_and_check(spec, q, k, v)  # scores up to ~1e4
     run_and_check(spec, q, k, v, softmax_scale=0.5)
 
 
-def test_runs_on_current_stream_and_returns_new_tensor():
+def test_runs_on_current_stream_and_returns_new_tensor(gpu_family):
     import torch
 
-    spec = SPEC_POOL[0]
+    spec = pinned(gpu_family, head_dim=64, dtype="fp16")
     q, k, v = make_inputs(spec, B=2, Sq=256, Sk=256, Hkv=4, seed=2)
+    attngen.attention(q, k, v, spec)  # compiled and resolved now, so the call below launches at once
+    q_new = torch.randn_like(q)
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
+        # The sleep holds back the copy on this stream: a kernel launched on any other stream would
+        # read the old q and miss the bound below.
+        torch.cuda._sleep(50_000_000)
+        q.copy_(q_new)
         out = attngen.attention(q, k, v, spec)
     stream.synchronize()
     assert out.data_ptr() != q.data_ptr() and out.shape == q.shape and out.dtype == q.dtype
-    ref = reference.attention_for_spec(q, k, v, spec)
-    assert tolerance.check_output(out, ref, q, k, v, spec.dtype, spec.effective_scale) is None
+    ref = reference.attention_for_spec(q_new, k, v, spec)
+    assert tolerance.check_output(out, ref, q_new, k, v, spec.dtype, spec.effective_scale) is None
 
 
-def test_cupy_arrays():
+def test_cupy_arrays(gpu_family):
     import cupy
     import torch
 
-    spec = AttentionSpec(head_dim=64, dtype="fp16", mask="causal")
+    spec = pinned(gpu_family, head_dim=64, dtype="fp16", mask="causal")
     q, k, v = make_inputs(spec, B=1, Sq=200, Sk=333, Hkv=2, seed=9)
     out = attngen.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), spec)
     assert isinstance(out, cupy.ndarray)
@@ -129,15 +152,65 @@ def test_cupy_arrays():
         (lambda q, k, v: (q[0], k, v), "4 dims"),
     ],
 )
-def test_bad_inputs_raise_clear_errors(change, match):
-    spec = AttentionSpec(head_dim=64, dtype="bf16", gqa_ratio=2)
+def test_bad_inputs_raise_clear_errors(gpu_family, change, match):
+    spec = pinned(gpu_family, head_dim=64, dtype="bf16", gqa_ratio=2)
     q, k, v = make_inputs(spec, B=1, Sq=64, Sk=64, Hkv=2)
     with pytest.raises(ValueError, match=match):
         attngen.attention(*change(q, k, v), spec)
 
 
+@functools.lru_cache(maxsize=None)
+def _family_cases(gpu_family: str):
+    target = this_target()
+    return fuzz_cases([spec for spec in builtin_specs(target) if spec.family == gpu_family], target=target)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(case=fuzz_cases(SPEC_POOL))
-def test_hypothesis_against_reference(case):
+@given(data=st.data())
+def test_hypothesis_against_reference(gpu_family, data):
+    case = data.draw(_family_cases(gpu_family), label="case")
     q, k, v = (p.view for p in make_case_inputs(case, "cuda"))
     run_and_check(case.spec, q, k, v, softmax_scale=case.softmax_scale)
+
+
+# -- the front door without a spec, and the dispatcher's choice of family ---------------------------
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_attention_without_a_spec_takes_dims_from_the_tensors_and_matches_the_reference(head_dim, dtype, transposed):
+    # 8 query heads over 2 kv heads: GQA 4 from the shapes; Sq < Sk under bottom-right causal alignment.
+    problem = AttentionSpec(head_dim=head_dim, dtype=dtype, gqa_ratio=4, mask="causal")
+    q, k, v = make_inputs(problem, B=2, Sq=300, Sk=513, Hkv=2, transposed=transposed, seed=head_dim)
+    scale = 1 / math.sqrt(head_dim)
+    for softmax_scale in (None, 0.05):
+        out, lse = attngen.attention(q, k, v, mask="causal", softmax_scale=softmax_scale, return_lse=True)
+        used = scale if softmax_scale is None else softmax_scale
+        ref, ref_lse = reference.attention(q, k, v, mask="causal", softmax_scale=used, return_lse=True)
+        bad = tolerance.check_output(out, ref, q, k, v, dtype, used) or tolerance.check_lse(lse, ref_lse, q, k, used)
+        assert bad is None, f"attention(mask='causal', softmax_scale={softmax_scale}) d{head_dim} {dtype}: {bad}"
+
+
+def test_an_unpinned_spec_runs_the_preferred_family_that_supports_this_gpu():
+    spec = AttentionSpec(head_dim=128, dtype="bf16", mask="causal")
+    kernel = attngen.compile(spec)
+    target = this_target()
+    assert kernel.plan.target == target and kernel.plan.name.endswith(f"_{target.label}")
+    assert kernel.plan.family == families.supporting(spec.problem, target)[0].name
+
+
+def test_a_family_pinned_on_a_gpu_it_does_not_support_raises_a_spec_error_naming_it(gpu_family, monkeypatch):
+    # This GPU as a GPU of another architecture that the family does not run on (sm_75: none does).
+    real = this_target()
+    family = families.get_family(gpu_family)
+    # A scale no other test uses: nothing about this spec is memoized in the front door yet.
+    spec = AttentionSpec(head_dim=64, dtype="bf16", family=gpu_family, softmax_scale=0.0123)
+    other = next(t for t in (dataclasses.replace(real, cc=cc) for cc in (75, *sorted(targets.KNOWN)))
+                 if family.supports(spec.problem, t) is not None)
+    q, k, v = make_inputs(spec, B=1, Sq=64, Sk=64, Hkv=1)
+    monkeypatch.setattr(targets, "device_target", lambda device: other)
+    message = rf"family='{gpu_family}' cannot run .* on {other.name}"
+    with pytest.raises(SpecError, match=message) as caught:
+        attngen.compile(spec)
+    assert caught.value.field == "family"
+    with pytest.raises(SpecError, match=message):
+        attngen.attention(q, k, v, spec)

@@ -1,7 +1,8 @@
-"""The fuzzer on a GPU (marker `gpu`): the real kernels pass a short fuzz; a deliberately broken kernel
-(attngen/faults.py) is caught, shrunk to the minimal case and written as a reproducer that replays;
-compute-sanitizer finds nothing in two kernels, and a --replay --sanitize really instruments the
-kernel this GPU launches."""
+"""The fuzzer on a GPU (marker `gpu`), for every kernel family that runs on it (conftest.py parametrizes
+`gpu_family`): each family's kernels pass a short fuzz; a deliberately broken kernel (attngen/faults.py)
+of each family is caught, shrunk to the minimal case and written as a reproducer that replays;
+compute-sanitizer finds nothing in two kernels of each family, and a --replay --sanitize really
+instruments the kernel this GPU launches."""
 
 from __future__ import annotations
 
@@ -10,14 +11,19 @@ import re
 import pytest
 from click.testing import CliRunner
 
+from attngen import targets
 from attngen.cli import main
+from attngen.families import plan_spec
 from attngen.fuzz.case import FuzzCase
 from attngen.fuzz.check import run_case
+from attngen.fuzz.pool import builtin_specs
 from attngen.fuzz.reproducer import load_reproducer, replay, reproducer_dir, write_reproducer
 from attngen.fuzz.runners import KernelRunner, Machine
 from attngen.fuzz.sanitizer import find_compute_sanitizer, sanitize
 from attngen.fuzz.search import search
-from attngen.fuzz.strategies import BUILTIN_SPECS, Limits
+from attngen.fuzz.strategies import Limits
+from attngen.runtime import dispatch
+from attngen.spec import AttentionSpec
 
 pytestmark = pytest.mark.gpu
 
@@ -26,35 +32,47 @@ FAULT = "drop_last_partial_kv_tile"
 LIMITS = Limits(max_seq=1100, max_long_seq_k=4500, max_score_elements=2**24, max_input_elements=2**23)
 
 
-def test_real_kernels_pass_a_short_fuzz():
+def family_specs(gpu_family: str, runner) -> list[AttentionSpec]:
+    """The built-in pool's specs pinned to the family, for the runner's target; the first has no mask."""
+    specs = [spec for spec in builtin_specs(runner.target) if spec.family == gpu_family]
+    assert specs and specs[0].mask == "none", specs[:1]
+    return specs
+
+
+def test_real_kernels_pass_a_short_fuzz(gpu_family):
     runner = KernelRunner()
-    outcome = search(BUILTIN_SPECS, runner, examples=300, seed=0, limits=LIMITS)
+    specs = family_specs(gpu_family, runner)
+    outcome = search(specs, runner, examples=300, seed=0, limits=LIMITS)
     assert outcome.failure is None, outcome.failure.describe()
-    assert outcome.cases == 300 and set(outcome.kernels) == {runner.kernel_name(s) for s in BUILTIN_SPECS}
+    assert outcome.cases == 300 and set(outcome.kernels) == {runner.kernel_name(s) for s in specs}
+    assert all(name.startswith(f"{gpu_family}_") for name in outcome.kernels)
 
 
-def test_fault_changes_exactly_the_cases_with_a_partial_last_key_tile():
-    spec = BUILTIN_SPECS[0]  # no mask: every query block's keys end at Sk
+def test_fault_changes_exactly_the_cases_with_a_partial_last_key_tile(gpu_family):
     runner = KernelRunner(fault=FAULT)
-    block_n = spec.resolved(runner.arch).block_n
+    spec = family_specs(gpu_family, runner)[0]  # no mask: every query block's keys end at Sk
+    block_n = plan_spec(spec, runner.target).block_n
     assert run_case(FuzzCase(spec, batch=1, seq_q=300, seq_k=2 * block_n, heads_kv=2), runner).ok
     result = run_case(FuzzCase(spec, batch=1, seq_q=300, seq_k=2 * block_n + 1, heads_kv=2), runner)
     assert result.kind in ("output", "lse"), result.describe()
 
 
-def test_broken_kernel_is_caught_shrunk_and_replayable(tmp_path):
+def test_broken_kernel_is_caught_shrunk_and_replayable(gpu_family, tmp_path):
     runner = KernelRunner(fault=FAULT)
-    outcome = search(BUILTIN_SPECS, runner, examples=200, seed=0, limits=LIMITS)
+    specs = family_specs(gpu_family, runner)
+    outcome = search(specs, runner, examples=200, seed=0, limits=LIMITS)
     assert outcome.failure is not None and outcome.shrunk, "the fuzzer missed a kernel that drops key tiles"
     failure = outcome.failure
     assert failure.kind in ("output", "lse") and failure.kernel.endswith(f"_fault_{FAULT}")
+    assert failure.kernel.startswith(f"{gpu_family}_")
     # The smallest case there is: one query against one key, in the first spec's only (partial) key tile.
-    minimal = FuzzCase(BUILTIN_SPECS[0], batch=1, seq_q=1, seq_k=1, heads_kv=1)
+    minimal = FuzzCase(specs[0], batch=1, seq_q=1, seq_k=1, heads_kv=1)
     assert failure.case == minimal, failure.describe()
 
     path = write_reproducer(reproducer_dir(tmp_path, failure.case, failure.kernel), failure.case,
                             kernel=failure.kernel, machine=runner.machine, fault=FAULT, failure=failure)
     repro = load_reproducer(path)
+    assert repro.case.spec.family == gpu_family  # spec.yaml keeps the pinned family
     again, warnings = replay(repro, runner)
     assert again.kind == failure.kind and warnings == []
     assert replay(repro, KernelRunner())[0].ok  # the correct kernel passes the same case
@@ -73,14 +91,16 @@ def test_cli_reports_the_broken_kernel_and_its_replay_fails(tmp_path):
 
 
 @pytest.mark.skipif(find_compute_sanitizer() is None, reason="compute-sanitizer not found")
-def test_sanitizer_is_clean_on_two_kernels(tmp_path):
+def test_sanitizer_is_clean_on_two_kernels(gpu_family, tmp_path):
     runner = KernelRunner()
     samples = []
-    for spec in BUILTIN_SPECS[:2]:  # one without a mask, one causal with GQA; partial tiles, padded strides
+    # One without a mask, one causal with GQA; partial tiles, padded strides.
+    for spec in family_specs(gpu_family, runner)[:2]:
         case = FuzzCase(spec, batch=2, seq_q=77, seq_k=45, heads_kv=2, layout="padded", data_seed=1)
         kernel = runner.kernel_name(spec)
         samples.append((kernel, write_reproducer(reproducer_dir(tmp_path, case, kernel), case, kernel=kernel,
                                                  machine=runner.machine)))
+    assert samples[1][0].startswith(f"{gpu_family}_causal_")
     results = sanitize(samples, timeout=600)
     assert len(results) == 4
     for r in results:
@@ -90,32 +110,33 @@ def test_sanitizer_is_clean_on_two_kernels(tmp_path):
 def test_runner_machine_is_the_compile_target_of_the_device_it_compiles_for():
     import torch
 
-    from attngen.runtime import compile as compile_kernel
-
     runner = KernelRunner()
+    spec = AttentionSpec(head_dim=64, dtype="fp16")  # unpinned: the dispatcher's choice for this GPU
     assert runner.device == f"cuda:{torch.cuda.current_device()}"
-    kernel = compile_kernel(BUILTIN_SPECS[0], runner.device_index)
-    assert runner.machine.target == kernel.target and runner.kernel_name(BUILTIN_SPECS[0]) == kernel.plan.name
+    kernel = dispatch.compile(spec, runner.device_index)
+    assert runner.target == targets.device_target(runner.device_index) == kernel.plan.target
+    assert runner.machine.target == runner.target.name and runner.kernel_name(spec) == kernel.plan.name
     assert runner.machine.gpu == torch.cuda.get_device_name(runner.device_index)
     assert runner.machine.nvrtc.startswith("nvrtc-")
-    runner(BUILTIN_SPECS[0], *(torch.randn(1, 5, 1, 64, device=runner.device, dtype=torch.float16) for _ in "qkv"),
+    runner(spec, *(torch.randn(1, 5, 1, 64, device=runner.device, dtype=torch.float16) for _ in "qkv"),
            out=torch.empty(1, 5, 1, 64, device=runner.device, dtype=torch.float16),
            lse=torch.empty(1, 1, 5, device=runner.device))
     assert runner.launched == [kernel.plan.name]
 
 
 @pytest.mark.skipif(find_compute_sanitizer() is None, reason="compute-sanitizer not found")
-def test_replay_sanitize_instruments_the_kernel_this_gpu_launches(tmp_path):
+def test_replay_sanitize_instruments_the_kernel_this_gpu_launches(gpu_family, tmp_path):
     # A reproducer recorded elsewhere, under another kernel name: the sanitizer must still instrument
     # (and see launched) the kernel this GPU compiles, here with the fault the command line gives.
     runner = KernelRunner(fault=FAULT)
-    spec = BUILTIN_SPECS[0]
-    case = FuzzCase(spec, batch=1, seq_q=33, seq_k=40, heads_kv=1, data_seed=2)
+    spec = family_specs(gpu_family, runner)[0]
+    case = FuzzCase(spec, batch=1, seq_q=33, seq_k=plan_spec(spec, runner.target).block_n + 7, heads_kv=1,
+                    data_seed=2)
     path = write_reproducer(reproducer_dir(tmp_path, case, "x"), case, kernel="fwd_recorded_elsewhere",
-                            machine=Machine("sm_80", "sm_86", "another GPU", "nvrtc-0.0"))
+                            machine=Machine("sm_86", "another GPU", "nvrtc-0.0"))
     result = CliRunner().invoke(main, ["fuzz", "--replay", str(path), "--sanitize", "--fault", FAULT])
     kernel = runner.kernel_name(spec)
     # The fault makes the replay fail (exit 1: a kernel finding), and the sanitizer instrumented the faulty kernel.
     assert result.exit_code == 1 and f"launched kernel {kernel}" in result.output, result.output
     assert "never launched" not in result.output and f"kns={kernel}" in result.output
-    assert "recorded with GPU another GPU" in result.output
+    assert "recorded with GPU another GPU" in result.output and "recorded with compile target sm_86" in result.output

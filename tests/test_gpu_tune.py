@@ -1,5 +1,6 @@
-"""`attngen tune` on a GPU (marker `gpu`): a tiny search into a temporary database, then
-`attngen.attention` with an untiled spec runs the tuned kernel; an explicit tile still wins;
+"""`attngen tune` on a GPU (marker `gpu`): tiny searches into temporary databases, then
+`attngen.attention` runs the tuned kernel for a spec that leaves the config open; an explicit
+config still wins; an unpinned spec's search covers every family that can run it on this GPU;
 verification catches a deliberately broken kernel."""
 
 from __future__ import annotations
@@ -12,20 +13,27 @@ import yaml
 from click.testing import CliRunner
 
 import attngen
+from attngen import families, reference, targets, tolerance
 from attngen.cli import main
-from attngen import reference, runtime, tolerance
+from attngen.runtime import dispatch
 from attngen.spec import AttentionSpec
-from attngen.tile_defaults import default_tile
 from attngen.tune.db import ENV_VAR, TuningDB
 from attngen.tune.model import Shape
 
 pytestmark = pytest.mark.gpu
 
 SPEC = AttentionSpec(head_dim=64, dtype="bf16", mask="causal")
-# Pinned fields narrow the space to 8 configs, none of them the default tile (block_n=128); its
-# winner is stored for the untiled spec only because the tests ask for it (store_narrowed).
-NARROW = SPEC.replace(block_n=64, num_stages=2)
+FAMILY_SPEC = SPEC.replace(family="fwd_sm80")
+# Pinned config fields narrow fwd_sm80's space to 8 configs, none of them its default (block_n=128);
+# the winner is stored for the family-pinned spec only because the tests ask for it (store_narrowed).
+NARROW = FAMILY_SPEC.replace(config={"block_n": 64, "num_stages": 2})
 SHAPE = Shape(batch=2, seqlen_q=1024, seqlen_k=1024, heads_q=8)
+
+
+def device_target():
+    import torch
+
+    return targets.device_target(torch.cuda.current_device())
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +56,11 @@ def inputs(S, B=2, H=8):
 
 
 def kernels_run(fn) -> list:
-    """The resolved specs of the kernels compiled while fn() runs (the runtime's kernel memo)."""
-    runtime._kernels.clear()
+    """The plans of the kernels resolved while fn() runs (the dispatcher's memos, emptied first)."""
+    dispatch._kernels.clear()
+    dispatch._resolved.clear()
     fn()
-    return [key[0] for key in runtime._kernels]
+    return [kernel.plan for kernel in dispatch._kernels.values()]
 
 
 def test_search_times_the_space_and_stores_a_verified_winner(tuned):
@@ -60,29 +69,51 @@ def test_search_times_the_space_and_stores_a_verified_winner(tuned):
     assert len(tuned.timings) == 8 and tuned.stopped_by in ("survivors", "max fraction")
     assert tuned.winner.ok and tuned.winner.ms == min(t.ms for t in tuned.timings)
     entry = tuned.entry
-    assert entry.tile == tuned.winner.ranked.spec.tile and entry.tile.block_n == 64
-    assert entry.key.gpu == torch.cuda.get_device_name() and entry.key.seqlen_bucket == 1024
+    assert (entry.family, entry.searched) == ("fwd_sm80", ("fwd_sm80",))
+    assert entry.config == tuned.winner.candidate.config.to_dict() and entry.config["block_n"] == 64
+    assert entry.key.gpu == torch.cuda.get_device_name() and entry.key.target == device_target().name
+    assert entry.key.seqlen_bucket == 1024
     assert TuningDB().get(entry.key) == entry
     assert math.isfinite(tuned.tflops(tuned.winner.ms))
 
 
-def test_attention_runs_the_tuned_kernel_for_an_untiled_spec(tuned):
+def test_attention_runs_the_tuned_kernel_for_a_spec_that_pins_only_the_family(tuned):
     q, k, v = inputs(1000)  # same buckets as the tuned shape: seqlen 1024, batch x heads 16
     out = []
-    ran = kernels_run(lambda: out.append(attngen.attention(q, k, v, SPEC)))
-    assert [s.tile for s in ran] == [tuned.entry.tile]
-    assert tuned.entry.tile != default_tile(64, "sm_90")
+    ran = kernels_run(lambda: out.append(attngen.attention(q, k, v, FAMILY_SPEC)))
+    assert [(p.family, p.config.to_dict()) for p in ran] == [("fwd_sm80", dict(tuned.entry.config))]
+    default = families.get_family("fwd_sm80").default_config(SPEC.problem, device_target())
+    assert dict(tuned.entry.config) != default.to_dict()
     assert tolerance.check_output(out[0], reference.attention_for_spec(q, k, v, SPEC), q, k, v, "bf16",
                                   SPEC.effective_scale) is None
 
 
-def test_explicit_tile_and_other_buckets_do_not_use_it(tuned):
-    explicit = SPEC.replace(block_m=64, block_n=32, num_warps=4, num_stages=1)
+def test_explicit_config_other_buckets_and_unpinned_specs_do_not_use_it(tuned):
+    explicit = FAMILY_SPEC.replace(config={"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 1})
     q, k, v = inputs(1000)
-    assert [s.tile for s in kernels_run(lambda: attngen.attention(q, k, v, explicit))] == [explicit.tile]
+    assert [p.config.to_dict() for p in kernels_run(lambda: attngen.attention(q, k, v, explicit))] == \
+        [dict(explicit.config)]
+    # The unpinned spec reads the unpinned entry (none here): the preferred family's defaults.
+    assert [p.name for p in kernels_run(lambda: attngen.attention(q, k, v, SPEC))] == \
+        [families.plan_spec(SPEC, device_target()).name]
     q, k, v = inputs(3000)  # seqlen bucket 4096: nothing tuned there
+    assert [p.name for p in kernels_run(lambda: attngen.attention(q, k, v, FAMILY_SPEC))] == \
+        [families.plan_spec(FAMILY_SPEC, device_target()).name]
+
+
+def test_an_unpinned_search_covers_every_family_and_attention_runs_its_winner(tmp_path, monkeypatch):
+    from attngen.tune.search import tune
+
+    path = tmp_path / "tuning.sqlite3"
+    monkeypatch.setenv(ENV_VAR, str(path))
+    shape = Shape(batch=1, seqlen_q=512, seqlen_k=512, heads_q=8)
+    [result] = tune(SPEC, [shape], deadline=time.monotonic() + 240, max_fraction=0.03, db=TuningDB(path))
+    supporting = tuple(sorted(f.name for f in families.supporting(SPEC.problem, device_target())))
+    assert result.searched == supporting == result.entry.searched
+    assert {r.candidate.family for r in result.ranked} == set(supporting)
+    q, k, v = inputs(500, B=1)
     ran = kernels_run(lambda: attngen.attention(q, k, v, SPEC))
-    assert [s.tile for s in ran] == [SPEC.resolved(ran[0].arch).tile]
+    assert [(p.family, p.config.to_dict()) for p in ran] == [(result.entry.family, dict(result.entry.config))]
 
 
 def test_cli_tune_prints_the_table_winner_and_correlation(tmp_path):
@@ -95,17 +126,19 @@ def test_cli_tune_prints_the_table_winner_and_correlation(tmp_path):
     assert result.exit_code == 1 and "--store-narrowed" in result.output and not db.exists()
     result = CliRunner().invoke(main, args + ["--store-narrowed"])
     assert result.exit_code == 0, result.output
-    assert "winner: m" in result.output and "Spearman" in result.output and "timed 4 of 8" in result.output
+    assert "winner: fwd_sm80/m" in result.output and "Spearman" in result.output and "timed 4 of 8" in result.output
     assert len(TuningDB(db).entries()) == 1 and export.is_file()
 
 
 def test_verify_passes_a_correct_kernel_and_catches_a_broken_one(monkeypatch):
     from attngen.fuzz import runners
     from attngen.tune.search import verify
+    from attngen.tune.space import search_space
 
-    tiled = NARROW.replace(block_m=128, num_warps=4)
-    assert verify(tiled) is None
+    [candidate] = search_space(NARROW.replace(config={**NARROW.config, "block_m": 128, "num_warps": 4}),
+                               device_target())
+    assert verify(candidate) is None
     # The fault skips the last key block when it is partial: the verification length leaves one.
     real = runners.KernelRunner
     monkeypatch.setattr(runners, "KernelRunner", lambda: real(fault="drop_last_partial_kv_tile"))
-    assert verify(tiled).startswith("failed verification (output)")
+    assert verify(candidate).startswith("failed verification (output)")

@@ -168,6 +168,23 @@ def test_attention_for_spec_uses_spec_fields():
     torch.testing.assert_close(attention_for_spec(q, k, v, plain), attention(q, k, v, softmax_scale=0.125))
 
 
+def test_attention_for_spec_takes_the_spec_or_its_problem():
+    spec = AttentionSpec(head_dim=64, gqa_ratio=2, mask="causal", softmax_scale=0.2, family="fwd_sm80")
+    q, k, v = _qkv(Hq=4, Hkv=2, Sq=5, Sk=8, D=64)
+    got, got_lse = attention_for_spec(q, k, v, spec.problem, return_lse=True)
+    want, want_lse = attention_for_spec(q, k, v, spec, return_lse=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.1, 1e-50, math.inf, math.nan, True, "0.1"])
+def test_attention_for_spec_holds_an_explicit_scale_to_what_kernels_accept(scale):
+    q, k, v = _qkv(Hq=4, Hkv=2, D=64)
+    with pytest.raises(ValueError, match="allowed") as info:
+        attention_for_spec(q, k, v, AttentionSpec(head_dim=64, gqa_ratio=2), softmax_scale=scale)
+    assert "softmax_scale" in str(info.value)
+
+
 @pytest.mark.parametrize(
     "call, argument",
     [

@@ -42,6 +42,12 @@ def test_kernel_arithmetic_is_within_the_bounds(dtype, logit_scale):
     assert tolerance.check_lse(lse, ref_lse, q, k, scale) is None
 
 
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_unit_roundoff_is_half_the_machine_epsilon(dtype):
+    # The bounds stand on attngen.dtypes' table: it must agree with torch's own.
+    assert tolerance.UNIT_ROUNDOFF[dtype] == torch.finfo(DTYPES[dtype]).eps / 2
+
+
 def test_score_term_is_negligible_at_unit_logits_and_dominant_near_1e4():
     q, k, v = inputs(torch.float16, 1.0)
     unit = tolerance.score_error(q, k, 128**-0.5).max().item()

@@ -9,53 +9,85 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from attngen.nvcc import ResourceReport
+from attngen import families, targets
+from attngen.build.nvcc import ResourceReport
+from attngen.families.fwd_sm80.family import Sm80Forward
 from attngen.spec import AttentionSpec
 from attngen.tune import lookup, ranking, search
-from attngen.tune.db import TuningDB
+from attngen.tune.db import TuningDB, spec_key
 from attngen.tune.model import Shape, gpu_model
 from attngen.tune.resources import prune
+from attngen.tune.space import label
 
-SPEC = AttentionSpec(head_dim=64, mask="causal", block_n=64)  # 32 configs (narrowed: stored only when asked)
+# 32 configs of fwd_sm80 (narrowed: stored only when asked).
+SPEC = AttentionSpec(head_dim=64, mask="causal", family="fwd_sm80", config={"block_n": 64})
 SHAPE = Shape(2, 1024, 1024, 8)
 ILLEGAL_ADDRESS = "CUDA error: an illegal memory access was encountered"
+# What targets.device_target says about the fake GPU.
+TARGET = dataclasses.replace(targets.target("sm_90"), sms=132, device_name="Fake H100")
+SM80_FAMILY = families.get_family("fwd_sm80")
+
+
+class OtherFamily(Sm80Forward):
+    """A second family: fwd_sm80's kernel under another name, on sm_90 and newer only."""
+
+    name = "fwd_other"
+
+    def supports(self, problem, target):
+        return None if target.cc >= 90 else f"needs sm_90 or newer, not {target.name}"
+
+
+@pytest.fixture(autouse=True)
+def sm80_only(monkeypatch):
+    """The counts below are fwd_sm80's: the registry holds that family alone unless a test says otherwise."""
+    monkeypatch.setattr(families, "FAMILIES", {"fwd_sm80": SM80_FAMILY})
+
+
+def plan_label(plan) -> str:
+    return label(plan.family, plan.config)
 
 
 class FakeKernel:
-    def __init__(self, gpu, spec):
-        self.gpu, self.spec = gpu, spec
+    def __init__(self, gpu, plan):
+        self.gpu, self.plan = gpu, plan
 
     def __call__(self, q, k, v):
-        self.gpu.launched = self.spec
+        self.gpu.launched = self.plan
 
 
 class FakeGPU:
-    """Stands in for torch.cuda, the builds, the kernels, the timer (attngen.bench.time_ms, so the
-    search's own probe cutoff runs) and verification; records what ran. `ms(spec)` is a kernel's
-    full time, `probe_ms(spec)` its probe's (default: the same); every timer call and every
-    verification advances `clock` (when given: the search's time.monotonic) by its seconds."""
+    """Stands in for torch.cuda, the device's target, the builds, the kernels, the timer
+    (attngen.bench.time_ms, so the search's own probe cutoff runs) and verification; records what
+    ran. `ms(plan)` is a kernel's full time, `probe_ms(plan)` its probe's (default: the same);
+    every timer call and every verification advances `clock` (when given: the search's
+    time.monotonic) by its seconds. Candidates are named by their labels (fwd_sm80/m64n64w4s2)."""
 
-    def __init__(self, monkeypatch, *, ms=lambda spec: 1.0 + spec.block_m / 1000, probe_ms=None, broken=(), wrong=(),
-                 sticky=(), spills=lambda spec: 0, clock=None, timer_s=0.0, verify_s=0.0):
+    def __init__(self, monkeypatch, *, ms=lambda plan: 1.0 + plan.block_m / 1000, probe_ms=None, broken=(),
+                 wrong=(), sticky=(), spills=lambda c: 0, clock=None, timer_s=0.0, verify_s=0.0):
         import torch
 
         self.ms, self.probe_ms, self.wrong, self.sticky = ms, probe_ms or ms, set(wrong), set(sticky)
-        self.calls: list[tuple[str, str]] = []  # (config, "probe" or "full"), per timer call
+        self.calls: list[tuple[str, str]] = []  # (label, "probe" or "full"), per timer call
         self.verified: list[str] = []
+        self.built: list[str] = []
         self.clock, self.timer_s, self.verify_s = clock, timer_s, verify_s
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        monkeypatch.setattr("attngen.nvcc.find_nvcc", lambda: "nvcc")
-        monkeypatch.setattr(search, "device_gpu_model", lambda device: gpu_model("sm_90"))
-        monkeypatch.setattr(lookup, "device_identity", lambda device: ("Fake H100", "sm_90"))
+        monkeypatch.setattr("attngen.build.nvcc.find_nvcc", lambda: "nvcc")
+        monkeypatch.setattr(targets, "device_target", lambda device: TARGET)
         monkeypatch.setattr(lookup, "compiler_version", lambda: "nvrtc-0.0")
         monkeypatch.setattr(ranking, "compile_reports",
-                            lambda cands, arch, jobs=None, on_done=None: fake_reports(cands, arch, spills))
+                            lambda cands, jobs=None, on_done=None: fake_reports(cands, spills))
         monkeypatch.setattr(search, "process_pool", lambda jobs: ThreadPoolExecutor(2))
-        monkeypatch.setattr(search, "_nvrtc_binary",
-                            lambda spec, family, target: "CompileError: boom" if spec.tile.label() in broken else None)
-        monkeypatch.setattr(search, "input_sets", lambda spec, shape: [(None, None, None)])
-        monkeypatch.setattr("attngen.compile", lambda spec: FakeKernel(self, spec))
+
+        def build(family, problem, target, config):
+            assert target == TARGET  # built for the GPU at hand
+            self.built.append(label(family, config))
+            return "CompileError: boom" if label(family, config) in broken else None
+
+        monkeypatch.setattr(search, "_nvrtc_binary", build)
+        monkeypatch.setattr(search, "input_sets", lambda problem, shape: [(None, None, None)])
+        monkeypatch.setattr("attngen.runtime.dispatch.kernel_for", self._kernel_for)
         monkeypatch.setattr("attngen.bench.time_ms", self._time_ms)
         monkeypatch.setattr(search, "verify", self._verify)
         if clock is not None:
@@ -64,7 +96,11 @@ class FakeGPU:
     @property
     def timed(self) -> list[str]:
         """The configs launched, in order (every measurement starts with a probe)."""
-        return [label for label, kind in self.calls if kind == "probe"]
+        return [name for name, kind in self.calls if kind == "probe"]
+
+    def _kernel_for(self, plan, device):
+        assert device == 0 and plan.target == TARGET
+        return FakeKernel(self, plan)
 
     def _advance(self, seconds: float) -> None:
         if seconds:
@@ -72,18 +108,19 @@ class FakeGPU:
 
     def _time_ms(self, fn, input_sets, warmup=5, repeats=30):
         fn(*input_sets[0])
-        spec, label = self.launched, self.launched.tile.label()
-        if label in self.sticky:
+        plan = self.launched
+        name = plan_label(plan)
+        if name in self.sticky:
             raise RuntimeError(ILLEGAL_ADDRESS)
         probe = repeats == search.PROBE_REPEATS
-        self.calls.append((label, "probe" if probe else "full"))
+        self.calls.append((name, "probe" if probe else "full"))
         self._advance(self.timer_s)
-        return self.probe_ms(spec) if probe else self.ms(spec)
+        return self.probe_ms(plan) if probe else self.ms(plan)
 
-    def _verify(self, spec):
-        self.verified.append(spec.tile.label())
+    def _verify(self, candidate):
+        self.verified.append(candidate.label)
         self._advance(self.verify_s)
-        return "failed verification (output): x" if spec.tile.label() in self.wrong else None
+        return "failed verification (output): x" if candidate.label in self.wrong else None
 
 
 class Clock:
@@ -94,15 +131,15 @@ class Clock:
         return self.now
 
 
-def fake_reports(candidates, arch, spills=lambda spec: 0) -> list[ResourceReport | None]:
-    return [ResourceReport(c.label, arch, 128, 0, 0, spills(c.spec), spills(c.spec), c.plan.smem_bytes)
+def fake_reports(candidates, spills=lambda c: 0) -> list[ResourceReport | None]:
+    return [ResourceReport(c.label, c.target.name, 128, 0, 0, spills(c), spills(c), c.plan.smem_bytes)
             if c.launchable else None for c in candidates]
 
 
 def predicted_order(spec=SPEC, shape=SHAPE) -> list[str]:
     """The survivors' labels in the model's order, given FakeGPU's resource reports."""
-    gpu, space = gpu_model("sm_90"), search.search_space(spec, "sm_90")
-    pruned = [prune(c, r, gpu) for c, r in zip(space, fake_reports(space, "sm_90"))]
+    gpu, space = gpu_model(TARGET), search.search_space(spec, TARGET)
+    pruned = [prune(c, r, gpu) for c, r in zip(space, fake_reports(space))]
     return [r.label for r in ranking.survivors(ranking.rank(pruned, gpu, shape))]
 
 
@@ -125,34 +162,54 @@ def test_times_the_best_predicted_first_up_to_the_fraction_and_stores_the_winner
     assert result.stopped_by == "max fraction"
     best = min(result.timings, key=lambda t: t.ms)
     assert result.winner is best
-    stored = db.entries()
-    assert len(stored) == 1 and stored[0].tile == best.ranked.spec.tile and stored[0].timed == 8
-    assert stored[0].key.gpu == "Fake H100" and stored[0].key.seqlen_bucket == 1024
+    [stored] = db.entries()
+    assert (stored.family, stored.config) == ("fwd_sm80", best.candidate.config.to_dict()) and stored.timed == 8
+    assert stored.searched == ("fwd_sm80",) and stored.space == 32
+    # Stored for the spec without its config fields: the problem and the family it pins.
+    assert stored.key.spec == spec_key(AttentionSpec(head_dim=64, mask="causal", family="fwd_sm80"))
+    assert (stored.key.gpu, stored.key.target, stored.key.compiler) == ("Fake H100", "sm_90a", "nvrtc-0.0")
+    assert stored.key.seqlen_bucket == 1024 and stored.key.batch_heads_bucket == 16
+
+
+def test_every_family_that_supports_the_problem_is_searched_and_recorded(monkeypatch, db):
+    monkeypatch.setattr(families, "FAMILIES", {"fwd_other": OtherFamily(), "fwd_sm80": SM80_FAMILY})
+    # fwd_other's kernels are a little faster: the winner is one of them.
+    gpu = FakeGPU(monkeypatch, ms=lambda plan: (0.9 if plan.family == "fwd_other" else 1.0) + plan.block_m / 1000)
+    spec = AttentionSpec(head_dim=64, mask="causal")
+    [result] = search.tune(spec, [SHAPE], max_fraction=1.0, db=db)  # no config field pinned: no flag needed
+    assert result.searched == ("fwd_other", "fwd_sm80")
+    assert {t.candidate.family for t in result.timings} == {"fwd_other", "fwd_sm80"}
+    assert {name.split("/")[0] for name in gpu.timed} == {"fwd_other", "fwd_sm80"}
+    [stored] = db.entries()
+    assert stored.family == "fwd_other" and stored.searched == ("fwd_other", "fwd_sm80")
+    assert stored.key.spec == spec.problem.key() and stored.space == result.launchable
+    # The dispatcher's question gets this answer back.
+    assert lookup.tuned_for_shape(spec, SHAPE, TARGET, "nvrtc-0.0", db) == ("fwd_other", stored.config)
 
 
 def test_failures_time_as_infinity_and_a_wrong_winner_is_replaced(monkeypatch, db):
-    FakeGPU(monkeypatch, ms=lambda spec: float(spec.block_m))
+    FakeGPU(monkeypatch, ms=lambda plan: float(plan.block_m))
     result = tune(max_fraction=1.0, db=db)[0]
     ordered = sorted(result.timings, key=lambda t: t.ms)
     fastest, second = ordered[0].ranked.label, ordered[1].ranked.label
-    gpu = FakeGPU(monkeypatch, ms=lambda spec: float(spec.block_m), broken={fastest}, wrong={second})
+    gpu = FakeGPU(monkeypatch, ms=lambda plan: float(plan.block_m), broken={fastest}, wrong={second})
     result = tune(max_fraction=1.0, db=db)[0]
     by_label = {t.ranked.label: t for t in result.timings}
     assert math.isinf(by_label[fastest].ms) and "boom" in by_label[fastest].error
     assert math.isinf(by_label[second].ms) and by_label[second].error.startswith("failed verification")
     assert result.winner.ranked.label not in (fastest, second) and result.winner.ok
-    assert db.entries()[0].tile == result.winner.ranked.spec.tile
+    assert db.entries()[0].config == result.winner.candidate.config.to_dict()
     assert fastest not in gpu.timed and len(set(gpu.timed)) == len(result.timings) - 1  # the broken build never ran
 
 
 def test_probe_cutoff_times_only_contenders_in_full(monkeypatch, db):
     first, *rest = predicted_order()[:8]
-    gpu = FakeGPU(monkeypatch, ms=lambda spec: 1.0 if spec.tile.label() == first else 2.0,
-                  probe_ms=lambda spec: 1.0 if spec.tile.label() in (first, rest[0]) else 1.6)
+    gpu = FakeGPU(monkeypatch, ms=lambda plan: 1.0 if plan_label(plan) == first else 2.0,
+                  probe_ms=lambda plan: 1.0 if plan_label(plan) in (first, rest[0]) else 1.6)
     result = tune(max_fraction=0.25, db=db)[0]
     assert gpu.calls[:2] == [(first, "probe"), (first, "full")]
     # A probe within PROBE_CUTOFF of the best goes on to a full timing; one beyond it stops there.
-    assert (rest[0], "full") in gpu.calls and not any(kind == "full" for label, kind in gpu.calls if label in rest[1:])
+    assert (rest[0], "full") in gpu.calls and not any(kind == "full" for name, kind in gpu.calls if name in rest[1:])
     probed = {t.ranked.label: t.probe_only for t in result.timings}
     assert probed == {first: False, rest[0]: False, **dict.fromkeys(rest[1:], True)}
     assert result.winner.ranked.label == first and db.entries()[0].ms == 1.0
@@ -165,14 +222,14 @@ def test_a_fast_wrong_kernel_cannot_leave_a_probe_time_as_the_stored_winner(monk
     wrong, b, c = predicted_order()[:3]
     full = {wrong: 0.5, b: 1.3, c: 1.05}
     probe = {wrong: 0.5, b: 1.0, c: 1.1}
-    gpu = FakeGPU(monkeypatch, ms=lambda spec: full.get(spec.tile.label(), 3.0),
-                  probe_ms=lambda spec: probe.get(spec.tile.label(), 3.0), wrong={wrong})
+    gpu = FakeGPU(monkeypatch, ms=lambda plan: full.get(plan_label(plan), 3.0),
+                  probe_ms=lambda plan: probe.get(plan_label(plan), 3.0), wrong={wrong})
     result = tune(max_fraction=0.25, db=db)[0]
     assert result.winner.ranked.label == c and not result.winner.probe_only and result.winner.ms == 1.05
     assert (b, "full") in gpu.calls and (c, "full") in gpu.calls
     assert gpu.verified == [wrong, c]
     [entry] = db.entries()
-    assert entry.tile == result.winner.ranked.spec.tile and entry.ms == 1.05
+    assert entry.label() == c and entry.ms == 1.05
 
 
 def test_a_sticky_cuda_error_stops_the_search_and_says_to_restart(monkeypatch, db):
@@ -201,14 +258,14 @@ def test_verification_counts_against_the_deadline(monkeypatch, db):
 
 
 def test_pruned_to_nothing_is_an_error_that_says_why(monkeypatch, db):
-    FakeGPU(monkeypatch, spills=lambda spec: 8)
-    with pytest.raises(search.TuneError, match=r"every one of the \d+ tile configurations.*by spills"):
+    FakeGPU(monkeypatch, spills=lambda c: 8)
+    with pytest.raises(search.TuneError, match=r"every one of the \d+ configurations.*by spills"):
         tune(db=db)
     assert db.entries() == []
 
 
 def test_everything_failing_is_an_error(monkeypatch, db):
-    labels = {c.label for c in search.search_space(SPEC, "sm_90")}
+    labels = {c.label for c in search.search_space(SPEC, TARGET)}
     FakeGPU(monkeypatch, broken=labels)
     with pytest.raises(search.TuneError, match="failed: .*boom"):
         tune(max_fraction=0.1, db=db)
@@ -216,12 +273,13 @@ def test_everything_failing_is_an_error(monkeypatch, db):
 
 def test_a_narrowed_search_is_stored_only_when_asked(monkeypatch, db):
     gpu = FakeGPU(monkeypatch)
-    with pytest.raises(search.TuneError, match=r"pins block_n=64, so only part of the tile space.*--store-narrowed"):
+    with pytest.raises(search.TuneError, match=r"pins block_n=64, so only part of family fwd_sm80's configs.*"
+                                               r"--store-narrowed"):
         search.tune(SPEC, [SHAPE], max_fraction=0.1, db=db)
-    assert gpu.calls == [] and db.entries() == []
-    untiled = search.untiled(SPEC)
-    [result] = search.tune(untiled, [SHAPE], max_fraction=0.1, db=db)  # the whole space needs no flag
-    assert db.entries()[0].tile == result.winner.ranked.spec.tile and result.launchable > 32
+    assert gpu.calls == [] and gpu.built == [] and db.entries() == []
+    family_only = search.unconfigured(SPEC)
+    [result] = search.tune(family_only, [SHAPE], max_fraction=0.1, db=db)  # the family's whole space needs no flag
+    assert db.entries()[0].config == result.winner.candidate.config.to_dict() and result.launchable > 32
 
 
 def test_a_result_the_database_does_not_take_is_an_error(monkeypatch, db):
@@ -229,8 +287,8 @@ def test_a_result_the_database_does_not_take_is_an_error(monkeypatch, db):
     [result] = tune(max_fraction=0.1, db=db)
     newer = dataclasses.replace(result.entry, updated="2999-01-01T00:00:00+00:00", ms=9.0)
     assert db.put(newer) == 1
-    with pytest.raises(search.TuneError, match=r"was not stored: the database holds a newer entry .*updated "
-                                               r"2999-01-01T00:00:00\+00:00") as info:
+    with pytest.raises(search.TuneError, match=r"was not stored: the database holds a newer entry for its key "
+                                               r"\(fwd_sm80/m.*, updated 2999-01-01T00:00:00\+00:00") as info:
         tune(max_fraction=0.1, db=db)
     assert f"updated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}" in str(info.value)
     assert db.entries() == [newer]
@@ -255,12 +313,12 @@ def test_verify_runs_the_fuzz_harness_on_a_padded_ragged_case(monkeypatch):
 
     from attngen.fuzz import runners
 
-    spec = search.search_space(AttentionSpec(head_dim=64, mask="causal"), "sm_90")[0].spec
+    candidate = search.search_space(AttentionSpec(head_dim=64, mask="causal"), TARGET)[0]
     seen = []
 
     class Correct(runners.ReferenceRunner):
         def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None):
-            seen.append((tuple(q.shape), out.is_contiguous(), bool(torch.isnan(out).all())))
+            seen.append((spec, tuple(q.shape), out.is_contiguous(), bool(torch.isnan(out).all())))
             super().__call__(spec, q, k, v, out=out, lse=lse, softmax_scale=softmax_scale)
 
     class NeverWrites(runners.ReferenceRunner):
@@ -272,19 +330,21 @@ def test_verify_runs_the_fuzz_harness_on_a_padded_ragged_case(monkeypatch):
             raise RuntimeError(ILLEGAL_ADDRESS)
 
     monkeypatch.setattr(runners, "KernelRunner", Correct)
-    assert search.verify(spec) is None
-    # One query head per kv head (gqa_ratio 1), a length no tile divides, strided views, outputs all NaN.
-    assert seen == [((1, search.VERIFY_SEQLEN, search.VERIFY_KV_HEADS, 64), False, True)]
+    assert search.verify(candidate) is None
+    # The candidate's family and config pinned; one query head per kv head (gqa_ratio 1), a length no
+    # tile divides, strided views, outputs all NaN.
+    assert seen == [(candidate.spec, (1, search.VERIFY_SEQLEN, search.VERIFY_KV_HEADS, 64), False, True)]
+    assert seen[0][0].family == "fwd_sm80" and seen[0][0].config == candidate.config.to_dict()
     monkeypatch.setattr(runners, "KernelRunner", NeverWrites)
-    assert search.verify(spec).startswith("failed verification (output)")
+    assert search.verify(candidate).startswith("failed verification (output)")
     monkeypatch.setattr(runners, "KernelRunner", IllegalAddress)
-    with pytest.raises(search.TuneError, match=rf"{spec.tile.label()}: a sticky CUDA error while verifying.*restart"):
-        search.verify(spec)
+    with pytest.raises(search.TuneError, match=rf"{candidate.label}: a sticky CUDA error while verifying.*restart"):
+        search.verify(candidate)
 
 
 def test_input_sets_need_a_matching_head_count():
     with pytest.raises(ValueError, match="heads_q=6 is invalid for gqa_ratio=4"):
-        search.input_sets(SPEC.replace(gqa_ratio=4), Shape(1, 128, 128, 6))
+        search.input_sets(SPEC.replace(gqa_ratio=4).problem, Shape(1, 128, 128, 6))
 
 
 def cli_tune(monkeypatch, tmp_path, specs, *args):
@@ -308,9 +368,10 @@ def test_cli_tune_prints_progress_table_and_summary(monkeypatch, tmp_path):
     result = cli_tune(monkeypatch, tmp_path, [SPEC], "--seqlen", "1024", "--seqlen", "4096", "--batch-heads", "16",
                       "--top", "3", "--db", db, "--export", tmp_path / "x.json", "--store-narrowed")
     assert result.exit_code == 0, result.output
-    assert result.output.count("winner: m") == 2 and result.output.count("Spearman") == 2
+    assert result.output.count("winner: fwd_sm80/m") == 2 and result.output.count("Spearman") == 2
     assert "timed 9 of 32 launchable configs (28%; stopped by max fraction)" in result.output
     assert "b1h16s1024" in result.output and "stored 2 tuned entries" in result.output
+    assert "families searched: fwd_sm80" in result.output and "sm_90a" in result.output
     assert "exported 2 entries" in result.output and len(TuningDB(db).entries()) == 2
 
 

@@ -12,8 +12,9 @@ of NaN lie before and after each tensor's storage, and each layout places the te
   padded      (B, S + GUARD_ROWS, H, D + PAD) storage seen as [:, :S, :, :D]: strides that do not
               follow from the shape, GUARD_ROWS NaN rows after every sequence and PAD NaN
               columns after every row
-The LSE is always contiguous (the kernel contract). GUARD_ROWS is the largest tile (block_m or
-block_n) a spec can have. What that catches:
+The LSE is always contiguous (the kernel contract). GUARD_ROWS is at least the largest tile edge
+(a plan's block_m or block_n) any kernel family may have (tests/test_fuzz_pool.py checks every
+registered family's configs on every known target). What that catches:
   - an output element the kernel never writes stays NaN, so the case fails;
   - a write that lands in the buffer but outside the tensor's elements changes the NaN there
     (`Poisoned.written_outside`); a write into another (batch, head)'s elements is caught only
@@ -36,13 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
-from attngen.reference import SPEC_DTYPES
-from attngen.spec import BLOCK_MS, BLOCK_NS, AttentionSpec
+from attngen.dtypes import torch_dtype
+from attngen.spec import AttentionSpec
 
 LAYOUTS = ("contiguous", "transposed", "padded")
-# NaN rows before and after every tensor, and after every sequence in the padded layout: the
-# largest tile. A row of q/k/v/out is H*D elements, a multiple of 8, so views stay 16-byte aligned.
-GUARD_ROWS = max(*BLOCK_MS, *BLOCK_NS)
+# NaN rows before and after every tensor, and after every sequence in the padded layout: a whole
+# tile of the largest any family may have (a kernel that loads a tile without clamping reads up to
+# a tile past the end). A row of q/k/v/out is H*D elements, a multiple of 8, so views stay 16-byte aligned.
+GUARD_ROWS = 256
 PAD = 8  # extra NaN columns per row in the padded layout: 16 bytes, so rows stay 16-byte aligned
 MAX_SEED = 2**63 - 1
 
@@ -192,7 +194,7 @@ def strides(case: FuzzCase) -> dict[str, list[int]]:
 def host_inputs(case: FuzzCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v on the CPU, contiguous, in the spec's dtype: a pure function of the case."""
     gen = torch.Generator().manual_seed(case.data_seed)
-    dtype = SPEC_DTYPES[case.spec.dtype]
+    dtype = torch_dtype(case.spec.dtype)
 
     def draw(shape, scale):
         return (torch.randn(shape, generator=gen, dtype=torch.float32) * scale).to(dtype)
@@ -212,7 +214,7 @@ def make_inputs(case: FuzzCase, device) -> list[Poisoned]:
 
 def make_outputs(case: FuzzCase, device) -> tuple[Poisoned, Poisoned]:
     """out (in the case's layout) and LSE (contiguous: the kernel contract), both all NaN."""
-    out = poisoned(case.q_shape, case.layout, SPEC_DTYPES[case.spec.dtype], device)
+    out = poisoned(case.q_shape, case.layout, torch_dtype(case.spec.dtype), device)
     lse = poisoned(case.lse_shape, "contiguous", torch.float32, device)
     return out, lse
 

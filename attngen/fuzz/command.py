@@ -55,7 +55,8 @@ def _status(*statuses: int) -> int:
 @click.command(epilog=EXIT_STATUS)
 @click.argument("specs", metavar="[SPEC]...", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--random-specs", is_flag=True,
-              help="Also fuzz random valid specs (random fields and tiles), drawn from the seed.")
+              help="Also fuzz random specs (random problems, each pinned to a random kernel family that supports "
+                   "it on this GPU, mostly with a random config that fits), drawn from the seed.")
 @click.option("--random-spec-count", type=click.IntRange(min=1), default=DEFAULT_RANDOM_SPECS, show_default=True,
               help="How many random specs --random-specs adds.")
 @click.option("--examples", type=click.IntRange(min=1), default=DEFAULT_EXAMPLES, show_default=True,
@@ -87,6 +88,9 @@ def fuzz(specs, random_specs, random_spec_count, examples, seed, time_budget, ma
          sanitize_sample, sanitize_jobs, fault) -> None:
     """Fuzz the kernels of each SPEC (default: the built-in pool) against the reference.
 
+    The built-in pool asks each kernel family what it can run on this GPU: every family that
+    supports a problem gets a spec pinned to it, with its default config and a few others.
+
     Hypothesis draws spec x shape x data, including seqlen 1, a single query against long keys,
     Sk < Sq, lengths around tile multiples, fully masked rows, logits near +-1e4, many heads and
     strided inputs. Outputs are NaN-poisoned before every launch. A failure is shrunk to a minimal
@@ -111,7 +115,7 @@ def fuzz(specs, random_specs, random_spec_count, examples, seed, time_budget, ma
     runner = _runner(fault)
     seed = secrets.randbelow(2**32) if seed is None else seed
     try:
-        pool = _spec_pool(specs, random_specs, random_spec_count, seed, runner.arch)
+        pool = _spec_pool(specs, random_specs, random_spec_count, seed, runner.target)
     except SpecError as exc:
         raise click.BadParameter(str(exc), param_hint="SPEC") from None
     raise SystemExit(_fuzz(pool, runner, examples=examples, seed=seed, limits=_limits(max_seq_len),
@@ -137,18 +141,31 @@ def _limits(max_seq_len: int | None):
     return DEFAULT_LIMITS if max_seq_len is None else DEFAULT_LIMITS.up_to(max_seq_len)
 
 
-def _spec_pool(paths, random_specs: bool, random_spec_count: int, seed: int, arch: str) -> tuple:
-    import attngen
-    from attngen.fuzz.strategies import BUILTIN_SPECS, random_spec_pool
-    from attngen.plan import make_plan
+def _spec_pool(paths, random_specs: bool, random_spec_count: int, seed: int, target) -> tuple:
+    """The given spec files' specs, else the built-in pool, for the runner's target; plus random specs."""
+    from attngen.families import plan_spec
+    from attngen.fuzz.pool import builtin_specs, random_spec_pool
+    from attngen.specfile import load_spec
 
-    given = [attngen.load_spec(path) for path in paths]
+    given = [load_spec(path) for path in paths]
     for spec in given:
-        make_plan(spec, arch)  # a tile this GPU cannot hold is an error naming the file, not a failing case
-    pool = given or list(BUILTIN_SPECS)
+        # A family that cannot run here, or a config this GPU cannot hold, is an error naming the
+        # file, not a failing case.
+        plan_spec(spec, target)
+    pool = given or list(builtin_specs(target))
     if random_specs:
-        pool += random_spec_pool(seed, random_spec_count, arch)
+        pool += random_spec_pool(seed, random_spec_count, target)
     return tuple(dict.fromkeys(pool))
+
+
+def _families(pool, target) -> str:
+    """How many of the pool's specs run as each family on the target: "fwd_sm80: 12"."""
+    from collections import Counter
+
+    from attngen.families import plan_spec
+
+    counts = Counter(plan_spec(spec, target).family for spec in pool)
+    return ", ".join(f"{family}: {n}" for family, n in counts.items())
 
 
 def _fuzz(pool, runner, *, examples, seed, limits, time_budget, out_dir: Path, fault, sanitizing) -> int:
@@ -157,7 +174,8 @@ def _fuzz(pool, runner, *, examples, seed, limits, time_budget, out_dir: Path, f
 
     budget = f", time budget {time_budget:g} s" if time_budget else ""
     click.echo(f"attngen fuzz: {len(pool)} specs, up to {examples} cases, seed {seed}{budget}"
-               f"{f', fault {fault}' if fault else ''}")
+               f"{f', fault {fault}' if fault else ''}\n  target {runner.target.name}, families "
+               f"{_families(pool, runner.target)}")
     with _hypothesis_files_under(out_dir), Progress(examples) as progress:
         outcome = search(pool, runner, examples=examples, seed=seed, time_budget=time_budget, limits=limits,
                          on_case=progress.update)

@@ -1,10 +1,12 @@
 """A case on disk, and its replay.
 
 A reproducer is a directory of two files:
-  spec.yaml   the spec, readable by attngen.load_spec
+  spec.yaml   the spec (AttentionSpec.to_dict(): its family and config when it pins them),
+              readable by attngen.load_spec
   case.json   shape, layout and strides, dtype, scale, the data seed (and a digest of the data it
-              gives), the kernel, the injected fault if any, the failure, and where it was
-              written: attngen and torch versions, the exact compile target, GPU and NVRTC
+              gives), the kernel (the plan's name: family, problem, config and target), the
+              injected fault if any, the failure, and where it was written: attngen and torch
+              versions, the exact compile target, GPU and NVRTC
 `attngen fuzz --replay DIR` regenerates the inputs from the seed, runs that one case and exits
 1 when it still fails. The fuzzer writes one for a failure it found, and one per sampled kernel
 for the sanitizer, which replays them under compute-sanitizer.
@@ -29,12 +31,15 @@ import torch
 import yaml
 
 import attngen
+from attngen.errors import SpecError
 from attngen.fuzz.case import FuzzCase, input_digest, strides
 from attngen.fuzz.check import CaseResult, run_case
 from attngen.fuzz.runners import Machine, Runner
-from attngen.spec import load_spec
+from attngen.specfile import load_spec
 
-FORMAT = 2  # 2: the machine it was written on; guard rows in the padded layout's strides
+# 2: the machine it was written on; guard rows in the padded layout's strides. 3: kernel families:
+# spec.yaml may pin a family and config, the machine is the exact compile target (no arch family).
+FORMAT = 3
 SPEC_FILE = "spec.yaml"
 CASE_FILE = "case.json"
 
@@ -113,21 +118,26 @@ def load_reproducer(path: Path) -> Reproducer:
         record = json.loads(case_file.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{case_file}: not valid JSON: {exc}") from exc
-    spec = load_spec(directory / SPEC_FILE)
     try:
-        case = _case_from_record(record, spec)
+        _check_format(record)  # first: an older spec.yaml may not load, and the format says why
+        case = _case_from_record(record, load_spec(directory / SPEC_FILE))
         return Reproducer(directory, case, record["kernel"], record["fault"], record["data"]["sha256"],
                           record["failure"], Machine(**record["machine"]), record["attngen_version"])
     except KeyError as exc:
         raise ValueError(f"{case_file}: missing field {exc.args[0]!r}") from None
+    except SpecError:  # names spec.yaml itself
+        raise
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{case_file}: {exc}") from None
 
 
-def _case_from_record(record: dict, spec) -> FuzzCase:
+def _check_format(record: dict) -> None:
     if record["format"] != FORMAT:
         raise ValueError(f"format={record['format']!r} is not supported; allowed: {FORMAT} (rerun the fuzz to write "
                          "a new reproducer)")
+
+
+def _case_from_record(record: dict, spec) -> FuzzCase:
     shape, data = record["shape"], record["data"]
     case = FuzzCase(spec, batch=shape["batch"], seq_q=shape["seq_q"], seq_k=shape["seq_k"], heads_kv=shape["heads_kv"],
                     layout=record["layout"]["name"], logit_scale=data["logit_scale"],
@@ -167,7 +177,8 @@ def replay(reproducer: Reproducer, runner: Runner) -> tuple[CaseResult, list[str
                         f"ones (another torch version?): this replay may not reproduce the failure")
     kernel = runner.kernel_name(reproducer.case.spec)
     if kernel != reproducer.kernel:
-        warnings.append(f"recorded for kernel {reproducer.kernel}; this GPU runs {kernel} (another arch or fault?)")
+        warnings.append(f"recorded for kernel {reproducer.kernel}; this GPU runs {kernel} (another target, default "
+                        "family or config, or fault?)")
     for name, what in (("target", "compile target"), ("gpu", "GPU"), ("nvrtc", "NVRTC")):
         recorded, actual = getattr(reproducer.machine, name), getattr(runner.machine, name)
         if recorded != actual:

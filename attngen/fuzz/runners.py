@@ -1,11 +1,12 @@
 """The thing under test: a callable that fills `out` and `lse` for one case.
 
-A runner has a `device` (where the harness puts tensors), an `arch` (the spec arch family
-its kernels resolve tiles for), a `machine` (what a reproducer records about where it ran),
-`kernel_name(spec)` and is called as `runner(spec, q, k, v, out=..., lse=..., softmax_scale=...)`.
-`KernelRunner` is the real one; `ReferenceRunner` runs the reference through the same harness,
-so the whole find -> shrink -> reproduce -> replay path can be exercised without a GPU; tests
-wrap either to build deliberately broken runners.
+A runner has a `device` (where the harness puts tensors), a `target` (the attngen.targets.Target
+its kernels are planned and compiled for), a `machine` (what a reproducer records about where it
+ran), `kernel_name(spec)` (the name of the plan it runs for a spec) and is called as
+`runner(spec, q, k, v, out=..., lse=..., softmax_scale=...)`. `KernelRunner` is the real one;
+`ReferenceRunner` runs the reference through the same harness, so the whole find -> shrink ->
+reproduce -> replay path can be exercised without a GPU; tests wrap either to build deliberately
+broken runners.
 """
 
 from __future__ import annotations
@@ -15,24 +16,24 @@ from typing import Protocol
 
 import torch
 
-from attngen import reference
-from attngen.plan import make_plan
+from attngen import reference, targets
+from attngen.families import plan_spec
 from attngen.spec import AttentionSpec
+from attngen.targets import Target
 
 
 @dataclass(frozen=True)
 class Machine:
     """Where a runner's kernels run: recorded in reproducers and compared when they are replayed."""
 
-    arch: str  # the spec arch family its kernels resolve tiles for: "sm_80" or "sm_90"
-    target: str | None = None  # the exact compile target, e.g. "sm_86"; None when nothing is compiled
-    gpu: str | None = None  # the device's name
+    target: str | None = None  # the exact compile target, e.g. "sm_90a"
+    gpu: str | None = None  # the device's name; None when nothing runs on a GPU
     nvrtc: str | None = None  # the compiler, as the compile cache keys it ("nvrtc-12.4")
 
 
 class Runner(Protocol):
     device: str
-    arch: str
+    target: Target
     machine: Machine
 
     def kernel_name(self, spec: AttentionSpec) -> str: ...
@@ -43,50 +44,54 @@ class Runner(Protocol):
 class KernelRunner:
     """The compiled kernel on the current CUDA device; `fault` (attngen/faults.py) breaks it on purpose.
 
-    `launched` lists the kernel symbols launched so far, in order: a replay under compute-sanitizer
+    `launched` lists the plans launched so far, by name, in order: a replay under compute-sanitizer
     prints them, so the parent can tell the instrumented kernel really ran."""
 
     def __init__(self, fault: str | None = None):
-        from attngen.compiler import nvrtc_version
+        from attngen.build import compiler
+        from attngen.errors import MissingDependency, require_cupy
         from attngen.faults import check_fault
-        from attngen.runtime import _device_arch
 
         if not torch.cuda.is_available():
             raise RuntimeError("attngen fuzz runs kernels on a CUDA GPU, and torch.cuda.is_available() is False")
         try:
-            import cupy  # noqa: F401 - checked now, not as a crash in every case
-        except ImportError as exc:
-            raise RuntimeError(f"attngen fuzz needs CuPy to launch kernels (e.g. pip install cupy-cuda12x): {exc}") from None
-        # One device for everything: the harness's tensors, the arch the plans resolve for, the compile.
+            require_cupy()  # checked now, not as a crash in every case
+        except MissingDependency as exc:
+            raise RuntimeError(str(exc)) from None
+        # One device for everything: the harness's tensors, the target the plans are made for, the compile.
         self.device_index = torch.cuda.current_device()
         self.device = f"cuda:{self.device_index}"
-        family, target = _device_arch(self.device_index)
-        self.arch = family
-        self.machine = Machine(family, target, torch.cuda.get_device_name(self.device_index), nvrtc_version())
+        try:
+            self.target = targets.device_target(self.device_index)
+        except ValueError as exc:  # a GPU older than any family supports
+            raise RuntimeError(str(exc)) from None
+        self.machine = Machine(self.target.name, torch.cuda.get_device_name(self.device_index),
+                               compiler.nvrtc_version())
         self.fault = check_fault(fault)
         self.launched: list[str] = []
 
     def kernel_name(self, spec: AttentionSpec) -> str:
-        return make_plan(spec, self.arch, fault=self.fault).name
+        return plan_spec(spec, self.target, fault=self.fault).name
 
     def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None) -> None:
-        from attngen.runtime import compile as compile_kernel
+        from attngen.runtime import dispatch
 
-        kernel = compile_kernel(spec, self.device_index, fault=self.fault)
+        kernel = dispatch.compile(spec, self.device_index, fault=self.fault)
         kernel(q, k, v, out=out, lse=lse, softmax_scale=softmax_scale)
         self.launched.append(kernel.plan.name)
         torch.cuda.synchronize(self.device_index)  # an asynchronous launch error surfaces here, in this case
 
 
 class ReferenceRunner:
-    """The float32 reference as the thing under test: correct by construction, runs on the CPU."""
+    """The float32 reference as the thing under test: correct by construction, runs on the CPU. It
+    names kernels by the plans the default target (sm_90a) gets."""
 
     device = "cpu"
-    arch = "sm_90"
-    machine = Machine(arch)
+    target = targets.target(targets.DEFAULT_ARCH)
+    machine = Machine(target.name)
 
     def kernel_name(self, spec: AttentionSpec) -> str:
-        return make_plan(spec, self.arch).name
+        return plan_spec(spec, self.target).name
 
     def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None) -> None:
         o, l = reference.attention_for_spec(q, k, v, spec, softmax_scale=softmax_scale, return_lse=True,

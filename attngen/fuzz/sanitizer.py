@@ -4,16 +4,18 @@ and racecheck (shared-memory hazards).
 Each (case, tool) pair runs in its own process,
   compute-sanitizer --tool T --kernel-name kns=<kernel> python -m attngen.cli fuzz --replay DIR [--fault F]
 so a finding belongs to one kernel, a crash takes no other case with it, and only the kernel
-under test is instrumented (the reference's kernels run uninstrumented). <kernel> is the name
-the caller's runner compiles for the case's spec on this GPU (fault included), not the name a
-reproducer recorded elsewhere. torch's caching allocator is switched off
+under test is instrumented (the reference's kernels run uninstrumented). <kernel> is the name of
+the plan the caller's runner makes for the case's spec on this GPU's target (fault included),
+not the name a reproducer recorded elsewhere. torch's caching allocator is switched off
 (PYTORCH_NO_CUDA_MEMORY_CACHING=1) so every tensor is its own allocation and memcheck sees an
 access past its end.
 
-A filter that matches no launched kernel instruments nothing and still prints a clean summary,
-so the replay prints a `launched kernel <symbol>` line for every kernel it launched
-(LAUNCHED_LINE), and a run is clean only when: the tool printed its summary with no errors or
-hazards, the replay launched the instrumented kernel, and the replay itself passed (exit 0).
+`kns=` matches kernel symbols that contain <kernel>: every __global__ function of a plan has the
+plan's name in its symbol (tests/test_fuzz_sanitizer.py checks each family), so all of a plan's
+kernels are instrumented. A filter that matches no launched kernel instruments nothing and still
+prints a clean summary, so the replay prints a `launched kernel <plan name>` line for every plan
+it launched (LAUNCHED_LINE), and a run is clean only when: the tool printed its summary with no
+errors or hazards, the replay launched the instrumented plan, and the replay itself passed (exit 0).
 
 Each problem is a kernel finding (errors, hazards, a replay that still fails or crashes, a
 timeout) or a harness error (the replay exited 2: it could not run; no summary: the sanitizer
@@ -33,8 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from attngen.build.nvcc import find_nvcc
+from attngen.families import plan_spec
 from attngen.fuzz.case import FuzzCase
-from attngen.nvcc import find_nvcc
+from attngen.targets import Target
 
 TOOLS = ("memcheck", "racecheck")
 TIMEOUT_S = 900
@@ -44,16 +48,17 @@ SANITIZE_MAX_SCORES = 2**21
 _ERROR_SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+) errors?")
 _RACECHECK_SUMMARY = re.compile(r"RACECHECK SUMMARY:\s*(\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
 _QUIET_LINES = re.compile(r"^=+\s*(COMPUTE-SANITIZER|ERROR SUMMARY|RACECHECK SUMMARY|$)")
-LAUNCHED_LINE = "launched kernel {}"  # what a replay prints for each kernel symbol it launched
+LAUNCHED_LINE = "launched kernel {}"  # what a replay prints for each plan (by name) it launched
 _LAUNCHED = re.compile(r"^launched kernel (\S+)$", re.MULTILINE)
 HARNESS_EXIT = 2  # `attngen fuzz --replay` could not run: a usage or harness error, not a kernel finding
 EXCERPT_LINES = 12
 
 
-def sample_key(case: FuzzCase, arch: str) -> tuple:
-    """Smaller is a better case to sanitize: cheap, with partial tiles and non-trivial strides."""
-    tile = case.spec.resolved(arch).tile
-    edges = ((case.seq_q % tile.block_m != 0) + (case.seq_k % tile.block_n != 0) + (case.seq_q != case.seq_k)
+def sample_key(case: FuzzCase, target: Target) -> tuple:
+    """Smaller is a better case to sanitize: cheap, with partial tiles (of the spec's plan on `target`)
+    and non-trivial strides."""
+    plan = plan_spec(case.spec, target)
+    edges = ((case.seq_q % plan.block_m != 0) + (case.seq_k % plan.block_n != 0) + (case.seq_q != case.seq_k)
              + (case.layout != "contiguous") + (case.batch * case.heads_kv > 1))
     return (case.score_elements > SANITIZE_MAX_SCORES, -edges, case.score_elements)
 

@@ -29,6 +29,7 @@ from attngen.fuzz.runners import Runner
 from attngen.fuzz.sanitizer import sample_key
 from attngen.fuzz.strategies import DEFAULT_LIMITS, Limits, fuzz_cases
 from attngen.spec import AttentionSpec
+from attngen.targets import Target
 
 
 class CaseFailed(Exception):
@@ -86,14 +87,14 @@ class SearchOutcome:
     def throughput(self) -> float:
         return self.cases / self.seconds if self.seconds > 0 else 0.0
 
-    def record(self, result: CaseResult, arch: str) -> None:
+    def record(self, result: CaseResult, target: Target) -> None:
         stats = self.kernels.setdefault(result.kernel, KernelStats(result.kernel, result.case.spec))
         stats.cases += 1
         stats.failures += not result.ok
         stats.seconds += result.seconds
         stats.longest_seq_q = max(stats.longest_seq_q, result.case.seq_q)
         stats.longest_seq_k = max(stats.longest_seq_k, result.case.seq_k)
-        if result.ok and (stats.sample is None or sample_key(result.case, arch) < sample_key(stats.sample, arch)):
+        if result.ok and (stats.sample is None or sample_key(result.case, target) < sample_key(stats.sample, target)):
             stats.sample = result.case
 
 
@@ -108,7 +109,7 @@ def search(specs, runner: Runner, *, examples: int, seed: int, time_budget: floa
         raise ValueError(f"examples={examples!r} is invalid; allowed: an integer >= 1")
     if time_budget is not None and not time_budget > 0:
         raise ValueError(f"time_budget={time_budget!r} is invalid; allowed: seconds > 0, or None for no limit")
-    strategy = fuzz_cases(specs, limits, runner.arch)
+    strategy = fuzz_cases(specs, limits, runner.target)
     outcome = SearchOutcome(seed=seed, examples=examples)
     start = time.monotonic()
 
@@ -142,14 +143,14 @@ def _run(strategy, runner, outcome: SearchOutcome, budget_spent: Callable[[], bo
         try:
             result = run_case(case, runner)
         except Exception as exc:  # noqa: BLE001 - run_case classifies what it expects; this is a harness bug
-            raise _HarnessFailed(CaseResult(case, case.spec.name, 0.0, HARNESS,
+            raise _HarnessFailed(CaseResult(case, _kernel_name(runner, case), 0.0, HARNESS,
                                             f"{type(exc).__name__}: {exc}")) from exc
         if result.harness_error:
             raise _HarnessFailed(result)
         if shrinking:
             outcome.shrink_steps += 1
         else:
-            outcome.record(result, runner.arch)
+            outcome.record(result, runner.target)
         if on_case is not None:
             on_case(result, outcome, shrinking)
         if not result.ok:
@@ -179,3 +180,11 @@ def _run(strategy, runner, outcome: SearchOutcome, budget_spent: Callable[[], bo
     if outcome.device_error is not None:
         # Even while shrinking another failure: nothing after it ran, and it is the worse bug.
         outcome.failure, outcome.shrunk, outcome.flaky = outcome.device_error, False, False
+
+
+def _kernel_name(runner, case: FuzzCase) -> str:
+    """The runner's name for the case's kernel, or the spec's key when naming it is what failed."""
+    try:
+        return runner.kernel_name(case.spec)
+    except Exception:  # noqa: BLE001 - reporting a harness error must not raise another
+        return f"spec {case.spec.key()}"

@@ -1,14 +1,15 @@
-"""Block-size search (`attngen tune`, `attngen check --configs`), one job per module:
+"""The search over kernel families and their configs (`attngen tune`, `attngen check --configs`), one job
+per module. It reaches kernels only through the family protocol (attngen/families/base.py):
 
-  space.py      the candidate tiles of a spec (the spec's and the plan's own rules)
+  space.py      the candidates of a spec on a target: (family, config) of every family that can run it
   resources.py  nvcc resource reports in parallel processes, and the pruning verdicts
-  model.py      occupancy and the roofline time model (no GPU)
-  ranking.py    prune + estimate + order: what is known before touching a GPU
+  model.py      what every family's time model shares: GPU rates, occupancy, shapes (no GPU)
+  ranking.py    prune + each family's estimate() + order: what is known before touching a GPU
   search.py     timing on the GPU within a budget, verification, storing the winner
-  db.py         the SQLite tuning database, export and import
-  lookup.py     the runtime's question: which tile for this untiled spec and shape?
-  report.py     progress bars, tables, rank correlation
+  db.py         the SQLite tuning database (schema version 2, migrating version 1), export and import
+  lookup.py     the dispatcher's questions: has a result changed (stamp), which family and config (tuned)
+  report.py     tables, rank correlation
   commands.py   the bodies of the CLI commands
 
-Importing this package is cheap (attngen.attention consults lookup.py on every call).
+Importing this package is cheap (the dispatcher consults lookup.py on every call).
 """

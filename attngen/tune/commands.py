@@ -9,12 +9,10 @@ from pathlib import Path
 
 import click
 
+from attngen.bench import HIDDEN, TOKENS  # the FlashAttention papers' benchmark setup
 from attngen.spec import AttentionSpec
 from attngen.tune.model import Shape, gpu_model
 
-# FlashAttention papers' benchmark setup: batch * seqlen = 16k tokens, hidden 2048 (attngen/bench.py).
-TOKENS = 16384
-HIDDEN = 2048
 DEFAULT_SEQLENS = (1024, 2048, 4096, 8192, 16384)
 
 
@@ -38,24 +36,27 @@ def shapes_for(spec: AttentionSpec, seqlens: tuple[int, ...], batch_heads: tuple
 
 def check_configs(spec_paths: tuple[Path, ...], archs: tuple[str, ...], seqlens: tuple[int, ...],
                   batch_heads: tuple[int, ...], jobs: int | None) -> None:
-    """Print the pruned and ranked space of each spec for each arch and shape (nvcc, no GPU)."""
+    """Print the pruned and ranked (family, config) space of each spec for each target and shape (nvcc, no GPU).
+    The target is --arch's, as for `attngen check`: a spec's own arch is for `attngen generate`."""
     import attngen
-    from attngen.errors import CompileError
-    from attngen.nvcc import find_nvcc, nvcc_version
+    from attngen import targets
+    from attngen.build.nvcc import nvcc_version, require_nvcc
     from attngen.tune.ranking import analyse, rank, survivors
     from attngen.tune.report import print_ranked
-    from attngen.tune.space import search_space
+    from attngen.tune.space import families_of, search_space
 
-    if find_nvcc() is None:
-        raise CompileError("nvcc not found: put it on PATH or set CUDA_HOME to the CUDA toolkit")
+    require_nvcc()
     for path in spec_paths:
         spec = attngen.load_spec(path)
         for arch in dict.fromkeys(archs):
-            gpu = gpu_model(arch)
-            pruned = analyse(search_space(spec, arch), gpu, jobs)
+            target = targets.target(arch)
+            gpu = gpu_model(target)
+            space = search_space(spec, target)
+            pruned = analyse(space, gpu, jobs)
             for shape in shapes_for(spec, seqlens, batch_heads):
                 ranked = rank(pruned, gpu, shape)
-                print_ranked(ranked, shape, f"{path}: {arch}, {shape.label()}, {gpu.name}, nvcc {nvcc_version()}: "
+                print_ranked(ranked, shape, f"{path}: {target.name}, {shape.label()}, {gpu.name}, nvcc "
+                                            f"{nvcc_version()}, families {', '.join(families_of(space))}: "
                                             f"{len(survivors(ranked))} of {len(ranked)} survive")
 
 
@@ -91,8 +92,8 @@ def run_tune(spec_paths: tuple[Path, ...], seqlens: tuple[int, ...], batch_heads
              max_fraction: float, db_path: Path | None, export: Path | None, import_: Path | None, top: int,
              jobs: int | None, store_narrowed: bool = False) -> None:
     import attngen
-    from attngen.tune.db import TuningDB
     from attngen.progress import Progress
+    from attngen.tune.db import TuningDB
     from attngen.tune.report import print_result
     from attngen.tune.search import check_narrowed, check_search_args
 

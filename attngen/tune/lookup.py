@@ -1,55 +1,58 @@
-"""The runtime side of tuning: which tile `attngen.attention` runs for an untiled spec.
+"""The runtime side of tuning: which (family, config) a call runs when its spec leaves the config open.
 
-A spec that leaves all four tile fields unset gets the tuned tile of the call's shape
-bucket on this GPU, when the tuning database has one; any explicit tile field means no
-lookup. Answers are memoized per (spec, bucket, GPU, database file), so the database is
-read once per shape bucket, not per call. An answer is used only while the database is as
-it was when the answer was read: no write by this process since (db.write_generation()),
-and the database file and its WAL file have the same (mtime, size) (writes by other
-processes: `attngen tune` in another shell). A missing database means the defaults; an
-unreadable one means the defaults and one warning: tuning can never break a call.
+attngen/runtime/dispatch.py asks two questions:
+
+  stamp()  -> a value that changes whenever a tuning result this process can see may have changed:
+              a write through any TuningDB in this process (db.write_generation()), or a change of
+              the default database file or its WAL file ((mtime, size): `attngen tune` in another
+              shell). The dispatcher reuses a resolved kernel while the stamp is unchanged.
+  tuned(spec, q_shape, k_shape, target) -> (family name, config) stored for the call's shape
+              bucket on this GPU, or None: then the dispatcher uses the defaults.
+
+Rules. A spec that pins any config field gets None: an explicit config always wins. A spec that
+pins a family reads the entry stored for that family. An unpinned spec reads the unpinned entry,
+and uses it only if the families its search covered (`searched`) include every family that
+supports the problem on this GPU now: an entry older than a family (a Hopper family added since,
+say) would hide it, so it is ignored, with one warning per database saying to run `attngen tune`
+again. An entry whose family no longer exists, or whose config today's family rejects or cannot
+plan on the GPU, is ignored with one warning. A missing database means None; an unreadable one
+means None and one warning: tuning can never break a call.
+
+Answers are memoized per (spec, buckets, GPU, target, compiler, database path) with the stamp
+read before the lookup, so the database is read once per shape bucket while it is unchanged.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import threading
 import warnings
 
+from attngen import families
 from attngen.errors import SpecError
-from attngen.plan import make_plan
-from attngen.spec import TILE_FIELDS, AttentionSpec, TileConfig
-from attngen.tune.db import TuningDB, TuningDBError, TuningKey, bucket, write_generation
+from attngen.spec import AttentionSpec
+from attngen.targets import Target
+from attngen.tune.db import TuningDB, TuningDBError, TuningKey, bucket, default_db_path, write_generation
 from attngen.tune.model import Shape
 
-# (spec, buckets, GPU, target, compiler, database path) -> (the database's stamp when read, the answer)
-_memo: dict[tuple, tuple[tuple, TileConfig | None]] = {}
+# (spec, buckets, GPU, target, compiler, database path) -> (the stamp when read, the answer)
+_memo: dict[tuple, tuple[tuple, tuple[str, dict] | None]] = {}
 _lock = threading.Lock()
-_warned: set[str] = set()
-
-
-@functools.lru_cache(maxsize=None)
-def device_identity(device: int) -> tuple[str, str]:
-    """(GPU name, compile target) of a CUDA device, e.g. ("NVIDIA H100 80GB HBM3", "sm_90")."""
-    import cupy
-
-    from attngen.runtime import _device_arch
-
-    name = cupy.cuda.runtime.getDeviceProperties(device)["name"]
-    return (name.decode() if isinstance(name, bytes) else str(name)), _device_arch(device)[1]
+# (database path, kind of problem) already warned about: one warning each per process.
+_warned: set[tuple[str, str]] = set()
 
 
 @functools.lru_cache(maxsize=None)
 def compiler_version() -> str:
-    from attngen.compiler import nvrtc_version
+    """The compiler kernels are built with at run time, as tuning keys name it (e.g. nvrtc-13.0)."""
+    from attngen.build.compiler import nvrtc_version
 
     return nvrtc_version()
 
 
 def clear_memo() -> None:
-    """Forget every answer (tests; writes through TuningDB need no call: they make answers stale)."""
+    """Forget every answer (tests; writes through TuningDB need no call: they change the stamp)."""
     with _lock:
         _memo.clear()
 
@@ -62,58 +65,91 @@ def _file_state(path: str) -> tuple[int, int] | None:
     return st.st_mtime_ns, st.st_size
 
 
-def tuned_tile(spec: AttentionSpec, shape: Shape, gpu: str, arch: str, compiler: str,
-               db: TuningDB | None = None) -> TileConfig | None:
-    """The tuned tile for `spec` on `shape`'s bucket, or None (no entry, or an unusable database)."""
-    db = db or TuningDB()
-    path = str(db.path)
-    # Cheap to build on every call, unlike the canonical spec key.
-    memo_key = (spec, bucket(max(shape.seqlen_q, shape.seqlen_k)), bucket(shape.batch * shape.heads_q), gpu, arch,
-                compiler, path)
-    # Before the read, so a write after it makes a mismatch. No database file: no WAL worth a stat.
+def _stamp_of(path: str) -> tuple:
+    # No database file: no WAL worth a stat.
     main = _file_state(path)
-    files = (main, main and _file_state(path + "-wal"))
+    return write_generation(), main, main and _file_state(path + "-wal")
+
+
+def stamp() -> tuple:
+    """Changes whenever a tuning result visible to this process may have changed (a few microseconds)."""
+    return _stamp_of(str(default_db_path()))
+
+
+def _warn_once(path: str, kind: str, message: str) -> None:
     with _lock:
-        stamp = (write_generation(), *files)
-        memoized = _memo.get(memo_key)
-        if memoized is not None and memoized[0] == stamp:
-            return memoized[1]
-    tile = None
-    try:
-        entry = db.get(TuningKey.for_shape(spec, shape, gpu, arch, compiler))
-        if entry is not None:
-            from attngen.runtime import arch_family
-
-            # A tile this spec and today's plan accept (a newer attngen may plan differently), else SpecError.
-            make_plan(spec.replace(**dataclasses.asdict(entry.tile)), arch_family(arch))
-            tile = entry.tile
-    except (TuningDBError, SpecError) as exc:
-        with _lock:
-            first = path not in _warned
-            _warned.add(path)
-        if first:
-            warnings.warn(f"attngen: ignoring the tuning database: {exc}; using the default tiles", stacklevel=4)
-    with _lock:
-        if write_generation() == stamp[0]:  # else this process wrote meanwhile: the answer may be stale
-            _memo[memo_key] = (stamp, tile)
-    return tile
+        first = (path, kind) not in _warned
+        _warned.add((path, kind))
+    if first:
+        warnings.warn(f"attngen: {message}", stacklevel=4)
 
 
-def tuned_spec(spec: AttentionSpec, q_shape, k_shape, device: int) -> AttentionSpec:
-    """`spec` with the tuned tile of this call's shape when it sets no tile field; else `spec`."""
-    if any(getattr(spec, f) is not None for f in TILE_FIELDS):
-        return spec  # an explicit tile always wins
+def tuned(spec: AttentionSpec, q_shape, k_shape, target: Target) -> tuple[str, dict] | None:
+    """The (family name, config) the default tuning database holds for this call on `target`'s GPU, or None."""
+    if spec.config:
+        return None  # an explicit config always wins
+    if target.device_name is None:
+        return None  # entries are per GPU: a target read from the table is no GPU
     q_shape, k_shape = tuple(q_shape), tuple(k_shape)
     if len(q_shape) != 4 or len(k_shape) != 4 or min(q_shape[:3] + k_shape[1:2]) < 1:
-        return spec  # malformed or empty input: the kernel's own checks report it
+        return None  # malformed or empty input: the kernel's own checks report it
     shape = Shape(batch=q_shape[0], seqlen_q=q_shape[1], seqlen_k=k_shape[1], heads_q=q_shape[2])
-    gpu, arch = device_identity(device)
-    tile = tuned_tile(spec, shape, gpu, arch, compiler_version())
-    return spec if tile is None else _with_tile(spec, spec.source, tile)
+    return tuned_for_shape(spec, shape, target, compiler_version())
 
 
-@functools.lru_cache(maxsize=1024)
-def _with_tile(spec: AttentionSpec, source: str | None, tile: TileConfig) -> AttentionSpec:
-    # Revalidating a spec costs ~10 us and attention() asks for the same few on every call.
-    # `source` is in the key because specs compare equal whatever file they came from.
-    return spec.replace(**dataclasses.asdict(tile))
+def tuned_for_shape(spec: AttentionSpec, shape: Shape, target: Target, compiler: str,
+                    db: TuningDB | None = None) -> tuple[str, dict] | None:
+    """tuned() for a Shape, an explicit compiler and database (default: the default database)."""
+    if spec.config:
+        return None
+    db = db or TuningDB()
+    path = str(db.path)
+    memo_key = (spec, bucket(max(shape.seqlen_q, shape.seqlen_k)), bucket(shape.batch * shape.heads_q),
+                target.device_name, target.name, compiler, path)
+    current = _stamp_of(path)  # before the read, so a write after it makes a mismatch
+    with _lock:
+        memoized = _memo.get(memo_key)
+        if memoized is not None and memoized[0] == current:
+            return memoized[1]
+    answer = None
+    try:
+        entry = db.get(TuningKey.for_shape(spec, shape, target.device_name, target.name, compiler))
+        if entry is not None:
+            answer = _usable(spec, entry, target, path)
+    except TuningDBError as exc:
+        _warn_once(path, "unreadable", f"ignoring the tuning database: {exc}; using the default configs")
+    with _lock:
+        if write_generation() == current[0]:  # else this process wrote meanwhile: the answer may be stale
+            _memo[memo_key] = (current, answer)
+    return answer
+
+
+def _usable(spec: AttentionSpec, entry, target: Target, path: str) -> tuple[str, dict] | None:
+    """The entry's (family, config) when today's families can run it on `target`, else None (warned)."""
+    problem = spec.problem
+    where = f"the tuning database {path} entry for {entry.key.spec} on {entry.shape} ({entry.family} " \
+            f"{dict(entry.config)})"
+    if spec.family is None:
+        missing = sorted({f.name for f in families.supporting(problem, target)} - set(entry.searched))
+        if missing:
+            _warn_once(path, "coverage", f"ignoring {where}: its search covered {', '.join(entry.searched)} but not "
+                                         f"{', '.join(missing)}, which can run it on this GPU now; run "
+                                         "`attngen tune` for the spec again (such entries are ignored until then)")
+            return None
+    try:
+        family = families.get_family(entry.family)
+        if spec.family not in (None, family.name):  # the key pins the family: only a hand edit gets here
+            raise SpecError(f"it names family {family.name}, but the spec pins {spec.family}")
+        reason = family.supports(problem, target)
+        if reason is not None:
+            raise SpecError(f"family {family.name} cannot run it on {target.name}: {reason}")
+        problems = family.check_config(entry.config)
+        missing = [f for f in family.config_fields if f not in entry.config]
+        if problems or missing:  # an older or newer family's config: not what this one would time
+            raise SpecError(problems[0] if problems else f"its config lacks {', '.join(missing)}")
+        config = family.resolve_config(problem, target, entry.config)
+        family.plan(problem, target, config)  # a config today's family cannot build here is no answer
+    except (ValueError, SpecError) as exc:
+        _warn_once(path, "invalid", f"ignoring {where}: {exc}; using the default configs")
+        return None
+    return family.name, config.to_dict()

@@ -1,34 +1,10 @@
-"""A static performance model: occupancy from the resource report, time from a roofline.
+"""What the performance models of every family share: GPU rates, shapes, occupancy, key blocks,
+wave scheduling. Each family's own model lives in its folder (`estimate()` of the protocol);
+no GPU is needed. The models only have to rank configurations well enough that the search
+times the winners first; docs/perf-notes.md holds the peak numbers.
 
-No GPU is needed. The model only has to rank tile configurations well enough that the
-search times the winners first; docs/perf-notes.md holds the peak numbers.
-
-Occupancy (CTAs per SM) is the least of what registers (allocated per warp in units of
-256), shared memory (plus 1 KB the driver reserves per CTA), threads and the CTA slot
-limit allow.
-
-Time. One CTA walks its visible key blocks; per block it does, with bm x bn tiles and
-head dim D:
-  tensor FLOPs   4 bm bn D                       (Q K^T and P V)
-  smem bytes     warps * 4 bn D                  (every warp reads all of K and V by ldmatrix)
-                 + 2 bm D bn/sub_n               (Q re-read per softmax step, unless in registers)
-                 + 4 bn D                        (cp.async writes K and V)
-  L2 bytes       4 bn D
-  ex2 (MUFU)     bm bn
-  FP32 ops       4 bm bn + bm D bn/sub_n         (softmax per score; O rescale per step)
-  latency        a reduction chain per softmax step (a warp's own latency: other warps fill it)
-  barriers       per block: while a CTA's warps wait there, only other CTAs can run
-With c CTAs resident, one "round" (every resident CTA advances one block) takes, per pipe,
-c * work / (the SM's rate). The pipes overlap partly: round = max + (1 - hide) * (sum - max)
-with hide = 1 - 0.35 / w for w warps per scheduler: the more warps, the more of the other
-pipes' time hides behind the busiest (calibrated on the perf-notes v7 sweep, where
-m128n64w4s3 at 1 CTA/SM runs ~0.77x of m128n64w4s2 at 2). A block's barrier time shows
-divided by the c CTAs that run meanwhile; its load latency is hidden by the
-(num_stages - 1) blocks of prefetch, and what is left shows, shared by the c CTAs.
-CTAs are dealt in launch order (the kernel runs the longest query blocks first) to the
-SMs * c slots, each taking the next free one, so wave tails and causal imbalance show in
-the makespan. The total is the makespan or the DRAM floor (q, k, v, o once), whichever is
-larger, plus the launch.
+Occupancy (CTAs per SM) is the least of what registers (allocated per warp in units of 256),
+shared memory (plus 1 KB the driver reserves per CTA), threads and the CTA slot limit allow.
 """
 
 from __future__ import annotations
@@ -39,7 +15,9 @@ import math
 import re
 from dataclasses import dataclass
 
-from attngen.plan import KernelPlan
+from attngen.flops import forward_flops
+from attngen.masks import MaskLowering
+from attngen.targets import Target
 
 
 @dataclass(frozen=True)
@@ -47,10 +25,11 @@ class GpuModel:
     """Per-SM limits and rates of one GPU. The rates are per SM unless named *_total."""
 
     name: str
-    arch: str
+    cc: int  # compute capability, 10 * major + minor
     sms: int
     clock_hz: float
     mma_flops_total: float  # mma.sync fp16/bf16 dense, whole GPU
+    tensor_flops_total: float  # the fastest tensor-core path (wgmma on Hopper), whole GPU
     l2_bytes_total: float  # L2 -> SM bandwidth, whole GPU
     dram_bytes_total: float
     smem_per_sm: int  # bytes CTAs can use together
@@ -80,24 +59,26 @@ class GpuModel:
 # the rest is what the model's other pipes and overlap losses take. L2 bandwidth and
 # clock: public microbenchmarks. A100 SXM: datasheet numbers (mma.sync is its native
 # tensor path), not yet measured here.
-GPUS = {
-    "sm_90": GpuModel("H100 SXM (model)", "sm_90", sms=132, clock_hz=1.755e9, mma_flops_total=2 / 3 * 744e12,
-                      l2_bytes_total=6.0e12, dram_bytes_total=3.0e12, smem_per_sm=228 * 1024),
-    "sm_80": GpuModel("A100 SXM (model)", "sm_80", sms=108, clock_hz=1.41e9, mma_flops_total=0.85 * 312e12,
-                      l2_bytes_total=4.0e12, dram_bytes_total=1.9e12, smem_per_sm=164 * 1024),
-}
+H100 = GpuModel("H100 SXM (model)", 90, sms=132, clock_hz=1.755e9, mma_flops_total=2 / 3 * 744e12,
+                tensor_flops_total=744e12, l2_bytes_total=6.0e12, dram_bytes_total=3.0e12, smem_per_sm=228 * 1024)
+A100 = GpuModel("A100 SXM (model)", 80, sms=108, clock_hz=1.41e9, mma_flops_total=0.85 * 312e12,
+                tensor_flops_total=0.85 * 312e12, l2_bytes_total=4.0e12, dram_bytes_total=1.9e12,
+                smem_per_sm=164 * 1024)
 
 
-def gpu_model(arch: str) -> GpuModel:
-    try:
-        return GPUS[arch]
-    except KeyError:
-        raise ValueError(f"arch={arch!r} has no performance model; allowed: {sorted(GPUS)}") from None
+def gpu_model(target: Target) -> GpuModel:
+    """The model closest to a target (Hopper and newer: the H100's; else the A100's), with its
+    shared memory per SM, and its name and SM count when it is a device."""
+    model = H100 if target.cc >= 90 else A100
+    model = dataclasses.replace(model, cc=target.cc, smem_per_sm=target.smem_per_sm)
+    if target.sms is not None:
+        model = model.with_device(target.device_name or model.name, target.sms)
+    return model
 
 
 @dataclass(frozen=True)
 class Shape:
-    """The problem a tile is tuned for: q (batch, seqlen_q, heads_q, D), k/v (batch, seqlen_k, ...)."""
+    """The problem a config is tuned for: q (batch, seqlen_q, heads_q, D), k/v (batch, seqlen_k, ...)."""
 
     batch: int
     seqlen_q: int
@@ -111,9 +92,8 @@ class Shape:
                 raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= 1")
 
     def flops(self, head_dim: int, causal: bool) -> float:
-        """FLOPs as the FlashAttention papers count them (DESIGN.md section 7)."""
-        flops = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * head_dim
-        return flops / 2 if causal else flops
+        """FLOPs as the FlashAttention papers count them (attngen/flops.py)."""
+        return forward_flops(self.batch, self.heads_q, self.seqlen_q, self.seqlen_k, head_dim, causal)
 
     def label(self) -> str:
         seq = f"s{self.seqlen_q}" if self.seqlen_q == self.seqlen_k else f"sq{self.seqlen_q}sk{self.seqlen_k}"
@@ -142,6 +122,15 @@ def occupancy(gpu: GpuModel, threads: int, registers: int, smem_bytes: int) -> O
     return Occupancy(limits[limiter], limits[limiter] * warps_per_cta, limiter)
 
 
+@dataclass(frozen=True)
+class Estimate:
+    ms: float
+    ctas: int  # grid size
+    slots: int  # CTAs resident on the whole GPU at once
+    waves: float  # ctas / slots
+    bound: str  # the pipe that dominates: mma, smem, mufu, fp32, l2 (or dram)
+
+
 # -- key blocks per query block, from the mask's own lowering -------------------------------
 _MASK_EXPR = re.compile(r"^[\s0-9A-Za-z_+\-*/(),]*$")
 _MASK_NAMES = {"min", "max", "m0", "m1", "Sq", "Sk"}
@@ -158,11 +147,11 @@ def _mask_bound(expr: str):
                                        {"m0": m0, "m1": m1, "Sq": Sq, "Sk": Sk})
 
 
-def key_blocks(plan: KernelPlan, shape: Shape) -> list[tuple[int, int]]:
-    """(loaded key blocks, of which partially masked) for each query block, in launch order."""
-    bm, bn, Sq, Sk = plan.block_m, plan.block_n, shape.seqlen_q, shape.seqlen_k
-    lo_f, hi_f = _mask_bound(plan.mask.kv_begin), _mask_bound(plan.mask.kv_end)
-    full_lo_f, full_hi_f = _mask_bound(plan.mask.full_begin), _mask_bound(plan.mask.full_end)
+def key_blocks(mask: MaskLowering, block_m: int, block_n: int, shape: Shape) -> list[tuple[int, int]]:
+    """(loaded key blocks, of which partially masked) for each query block, longest first."""
+    bm, bn, Sq, Sk = block_m, block_n, shape.seqlen_q, shape.seqlen_k
+    lo_f, hi_f = _mask_bound(mask.kv_begin), _mask_bound(mask.kv_end)
+    full_lo_f, full_hi_f = _mask_bound(mask.full_begin), _mask_bound(mask.full_end)
     out = []
     for m_block in reversed(range(-(-Sq // bm))):
         m0, m1 = m_block * bm, min(m_block * bm + bm, Sq)
@@ -177,44 +166,7 @@ def key_blocks(plan: KernelPlan, shape: Shape) -> list[tuple[int, int]]:
     return out
 
 
-# -- time ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Estimate:
-    ms: float
-    ctas: int  # grid size
-    slots: int  # CTAs resident on the whole GPU at once
-    waves: float  # ctas / slots
-    bound: str  # the pipe that dominates a round: mma, smem, mufu, fp32, l2 (or dram)
-
-
-UNHIDDEN_ONE_WARP = 0.35
-MASK_OPS_PER_SCORE = 3  # index arithmetic, compare, select in a partially masked block
-SOFTMAX_OPS_PER_SCORE = 4  # scale-and-subtract FMA, max, sum, pack
-
-
-def _round_times(plan: KernelPlan, gpu: GpuModel, ctas_per_sm: int, masked: bool) -> dict[str, float]:
-    """Seconds each pipe of one SM needs while each of its resident CTAs does one key block."""
-    bm, bn, D, c = plan.block_m, plan.block_n, plan.head_dim, ctas_per_sm
-    steps = bn // plan.sub_n
-    smem = plan.num_warps * 4 * bn * D + (0 if plan.q_in_regs else 2 * bm * D * steps) + 4 * bn * D
-    fp32 = SOFTMAX_OPS_PER_SCORE * bm * bn + bm * D * steps + (MASK_OPS_PER_SCORE * bm * bn if masked else 0)
-    return {
-        "latency": steps * gpu.step_cycles / gpu.clock_hz,
-        "mma": c * 4 * bm * bn * D / (gpu.mma_flops_total / gpu.sms),
-        "smem": c * smem / (gpu.smem_bytes_per_clk * gpu.clock_hz),
-        "mufu": c * bm * bn / (gpu.mufu_per_clk * gpu.clock_hz),
-        "fp32": c * fp32 / (gpu.fp32_per_clk * gpu.clock_hz),
-        "l2": c * 4 * bn * D / (gpu.l2_bytes_total / gpu.sms),
-    }
-
-
-def _round_seconds(times: dict[str, float], warps_per_scheduler: float) -> float:
-    longest = max(times.values())
-    hide = max(0.0, 1.0 - UNHIDDEN_ONE_WARP / warps_per_scheduler)
-    return longest + (1.0 - hide) * (sum(times.values()) - longest)
-
-
-def _makespan(durations: list[float], slots: int) -> float:
+def makespan(durations: list[float], slots: int) -> float:
     """Greedy list scheduling in launch order: each CTA takes the slot that frees first."""
     if len(set(durations)) == 1:  # uniform work: whole waves
         return math.ceil(len(durations) / slots) * durations[0]
@@ -224,28 +176,8 @@ def _makespan(durations: list[float], slots: int) -> float:
     return max(free)
 
 
-def estimate(plan: KernelPlan, occ: Occupancy, gpu: GpuModel, shape: Shape) -> Estimate:
-    """Predicted milliseconds of one forward call of `plan` on `shape` at occupancy `occ`."""
-    if occ.ctas < 1:
-        raise ValueError(f"occupancy of {plan.name} is {occ.ctas} CTAs/SM: it cannot run (limited by {occ.limiter})")
-    c = occ.ctas
-    wps = occ.warps / gpu.schedulers
-    per_block = {}
-    for masked in (False, True):
-        times = _round_times(plan, gpu, c, masked)
-        rnd = _round_seconds(times, wps) + gpu.block_sync_cycles / gpu.clock_hz / c
-        exposed = max(0.0, gpu.mem_latency_s - (plan.num_stages - 1) * rnd) / c
-        per_block[masked] = (rnd + exposed, max(times, key=times.get))
-    blocks = key_blocks(plan, shape)
-    one_head = [(n - partial) * per_block[False][0] + partial * per_block[True][0] + gpu.cta_fixed_s
-                for n, partial in blocks]
-    # Launch order: blockIdx.x (query blocks, longest first) fastest, then heads, then batch.
-    durations = one_head * (shape.heads_q * shape.batch)
-    slots = gpu.sms * c
-    compute_s = _makespan(durations, slots)
-    hkv = max(1, shape.heads_q // plan.gqa_ratio)
-    dram_bytes = 2 * plan.head_dim * shape.batch * (2 * shape.seqlen_q * shape.heads_q + 2 * shape.seqlen_k * hkv)
-    dram_s = dram_bytes / gpu.dram_bytes_total
-    bound = per_block[False][1] if compute_s >= dram_s else "dram"
-    total = max(compute_s, dram_s) + gpu.launch_s
-    return Estimate(total * 1e3, len(durations), slots, len(durations) / slots, bound)
+def dram_seconds(gpu: GpuModel, shape: Shape, head_dim: int, gqa_ratio: int, itemsize: int = 2) -> float:
+    """q, k, v read once and o written once, over the DRAM bandwidth: the memory floor."""
+    hkv = max(1, shape.heads_q // gqa_ratio)
+    elements = head_dim * shape.batch * (2 * shape.seqlen_q * shape.heads_q + 2 * shape.seqlen_k * hkv)
+    return elements * itemsize / gpu.dram_bytes_total

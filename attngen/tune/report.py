@@ -1,33 +1,31 @@
-"""What the search shows people: progress bars, the ranked table, the results table."""
+"""What the search shows people: the ranked table, the results table, rank correlation."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import fields
 
-from attngen.plan import KernelPlan
+from attngen.families.base import Plan
+from attngen.flops import tflops
 from attngen.progress import console
 from attngen.tune.model import Shape
 from attngen.tune.ranking import Ranked
 
-# KernelPlan fields that restate the spec or its shape; the rest are the plan's own choices.
-_RESTATED = {"spec", "name", "arch", "dtype", "head_dim", "gqa_ratio", "block_m", "block_n", "num_warps",
-             "num_stages", "threads", "smem_bytes", "min_blocks_per_sm", "mask"}
+# Plan choices the tables show in columns of their own, or that restate the launch (not choices).
+_SHOWN_ELSEWHERE = {"threads", "smem_bytes", "min_blocks_per_sm"}
 
 
-def plan_choices(plan: KernelPlan | None) -> str:
-    """The template parameters the plan derives (sub_n, q_in_regs, ...), compactly."""
+def plan_choices(plan: Plan | None) -> str:
+    """What the family derived beyond the config (plan.choices(): sub_n, q_in_regs, ...), compactly."""
     if plan is None:
         return "-"
     parts = []
-    for f in fields(plan):
-        value = getattr(plan, f.name)
-        if f.name in _RESTATED or value is None:
+    for name, value in plan.choices().items():
+        if name in _SHOWN_ELSEWHERE or value is None:
             continue
         if isinstance(value, bool):
-            parts.append(f.name if value else "")
+            parts.append(name if value else "")
         else:
-            parts.append(f"{f.name}={value}")
+            parts.append(f"{name}={value}")
     return " ".join(p for p in parts if p)
 
 
@@ -72,22 +70,24 @@ def _resources(r: Ranked) -> list[str]:
             f"{occ.ctas} ({occ.warps}w, {occ.limiter})" if occ else "-"]
 
 
+_LEFT = ("family", "config", "plan", "CTAs/SM", "bound", "verdict", "note")
+
+
 def print_ranked(ranked: list[Ranked], shape: Shape, title: str) -> None:
     """`attngen check --configs`: every candidate, survivors in predicted order, then the pruned."""
     from rich.table import Table
 
     print(title)  # not the table's title: rich would wrap a long one
     table = Table()
-    for col in ("#", "config", "plan", "regs", "smem KB", "spill st/ld", "CTAs/SM", "pred ms", "pred TFLOP/s",
-                "bound", "verdict"):
-        table.add_column(col, justify="left" if col in ("config", "plan", "CTAs/SM", "bound", "verdict") else "right",
-                         no_wrap=col != "verdict")
-    flops = shape.flops(ranked[0].spec.head_dim, ranked[0].spec.mask == "causal") if ranked else 0.0
+    for col in ("#", "family", "config", "plan", "regs", "smem KB", "spill st/ld", "CTAs/SM", "pred ms",
+                "pred TFLOP/s", "bound", "verdict"):
+        table.add_column(col, justify="left" if col in _LEFT else "right", no_wrap=col != "verdict")
     for i, r in enumerate(ranked, 1):
-        est = r.estimate
-        table.add_row(str(i) if r.pruned.survives else "-", r.label, plan_choices(r.pruned.candidate.plan),
+        est, c = r.estimate, r.candidate
+        flops = shape.flops(c.problem.head_dim, c.problem.causal)
+        table.add_row(str(i) if r.pruned.survives else "-", c.family, c.config.label(), plan_choices(c.plan),
                       *_resources(r), _fmt_ms(r.predicted_ms if est else None),
-                      f"{flops / est.ms / 1e9:.0f}" if est else "-", est.bound if est else "-",
+                      f"{tflops(flops, est.ms):.0f}" if est else "-", est.bound if est else "-",
                       "ok" if r.pruned.survives else r.pruned.reason)
     console().print(table)
 
@@ -98,15 +98,16 @@ def print_result(result, top: int) -> None:
 
     predicted_rank = {id(r): i for i, r in enumerate(result.ranked, 1)}
     timed = sorted(result.timings, key=lambda t: (t.ms, predicted_rank[id(t.ranked)]))
-    print(f"{result.spec.to_dict()} on {result.shape.label()} ({result.gpu.name})")
+    print(f"{result.spec.to_dict()} on {result.shape.label()} ({result.gpu.name}, {result.target.name}; families "
+          f"searched: {', '.join(result.searched)})")
     table = Table()
-    for col in ("#", "config", "plan", "regs", "smem KB", "spill st/ld", "CTAs/SM", "pred ms", "pred #", "ms",
-                "TFLOP/s", "note"):
-        table.add_column(col, justify="left" if col in ("config", "plan", "CTAs/SM", "note") else "right",
-                         no_wrap=col != "note")
+    for col in ("#", "family", "config", "plan", "regs", "smem KB", "spill st/ld", "CTAs/SM", "pred ms", "pred #",
+                "ms", "TFLOP/s", "note"):
+        table.add_column(col, justify="left" if col in _LEFT else "right", no_wrap=col != "note")
     for i, t in enumerate(timed[:top], 1):
         note = t.error or ("probe only" if t.probe_only else "")
-        table.add_row(str(i), t.ranked.label, plan_choices(t.ranked.pruned.candidate.plan), *_resources(t.ranked),
+        c = t.candidate
+        table.add_row(str(i), c.family, c.config.label(), plan_choices(c.plan), *_resources(t.ranked),
                       _fmt_ms(t.ranked.predicted_ms), str(predicted_rank[id(t.ranked)]), _fmt_ms(t.ms),
                       f"{result.tflops(t.ms):.1f}" if t.ok else "-", note)
     console().print(table)

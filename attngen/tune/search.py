@@ -1,15 +1,18 @@
 """The search on a GPU: time the ranked survivors, best-predicted first, until a deadline.
 
-Per shape, the search times at most `max_fraction` of the launchable space, in the model's
-order, and stops early when its share of the time left to the deadline is spent (the first
-candidate is always timed, so every shape gets an answer, past the deadline if need be).
-Kernels are built with NVRTC in worker processes while earlier candidates are being timed.
-Timing is attngen.bench's: CUDA events, warm-up, median of repeats, inputs rotated past L2;
-a candidate whose short probe is already far behind the best is not timed further. A
-candidate that fails to build or launch times as infinity with the reason. The winner is
-the fastest candidate that passes the fuzz harness's check (verify()), timed in full (not
-just probed) before it is stored. A sticky CUDA error (an illegal address, say) ends the
-search with a TuneError: it leaves the process's CUDA context unusable.
+The space holds every (family, config) of every kernel family that can run the spec's problem on
+this GPU (attngen/tune/space.py), ranked together by the families' time models. Per shape, the
+search times at most `max_fraction` of the launchable space, in the model's order, and stops
+early when its share of the time left to the deadline is spent (the first candidate is always
+timed, so every shape gets an answer, past the deadline if need be). Kernels are built with
+NVRTC in worker processes while earlier candidates are being timed, and run through the
+dispatcher's own loaded kernels (attngen.runtime.dispatch.kernel_for). Timing is
+attngen.bench's: CUDA events, warm-up, median of repeats, inputs rotated past L2; a candidate
+whose short probe is already far behind the best is not timed further. A candidate that fails to
+build or launch times as infinity with the reason. The winner is the fastest candidate that
+passes the fuzz harness's check (verify()), timed in full (not just probed) before it is
+stored, with the families the search covered. A sticky CUDA error (an illegal address, say)
+ends the search with a TuneError: it leaves the process's CUDA context unusable.
 """
 
 from __future__ import annotations
@@ -18,14 +21,17 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from attngen import targets
 from attngen.errors import is_sticky_cuda_error
-from attngen.spec import TILE_FIELDS, AttentionSpec
+from attngen.flops import tflops
+from attngen.spec import AttentionSpec, Problem
+from attngen.targets import Target
 from attngen.tune import lookup
 from attngen.tune.db import TuningDB, TuningEntry, TuningKey, now_utc
 from attngen.tune.model import GpuModel, Shape, gpu_model
 from attngen.tune.ranking import Ranked, analyse, no_survivor_error, rank, survivors
 from attngen.tune.resources import describe_error, process_pool
-from attngen.tune.space import search_space, untiled
+from attngen.tune.space import Candidate, build_plan, families_of, search_space, unconfigured
 
 PROBE_REPEATS = 3
 # A probe this much slower than the best so far cannot win: its probe time is its time.
@@ -41,11 +47,11 @@ class TuneError(ValueError):
     a sticky CUDA error, a newer entry in the database, a narrowed spec)."""
 
 
-def sticky_error(config: str, stage: str, error: str) -> TuneError:
-    return TuneError(f"{config}: a sticky CUDA error while {stage}: {error}. It leaves this process's CUDA context "
-                     "unusable (every later launch fails too), so the search stops here; entries stored before it "
-                     "are kept. The process must restart to use the GPU again, and this config's kernel has a bug: "
-                     "it will fail the same way")
+def sticky_error(candidate: str, stage: str, error: str) -> TuneError:
+    return TuneError(f"{candidate}: a sticky CUDA error while {stage}: {error}. It leaves this process's CUDA "
+                     "context unusable (every later launch fails too), so the search stops here; entries stored "
+                     "before it are kept. The process must restart to use the GPU again, and this config's kernel "
+                     "has a bug: it will fail the same way")
 
 
 @dataclass
@@ -59,12 +65,18 @@ class Timing:
     def ok(self) -> bool:
         return math.isfinite(self.ms)
 
+    @property
+    def candidate(self) -> Candidate:
+        return self.ranked.candidate
+
 
 @dataclass
 class ShapeResult:
-    spec: AttentionSpec  # untiled: what the result is stored for
+    spec: AttentionSpec  # the problem and any pinned family: what the result is stored for
     shape: Shape
     gpu: GpuModel
+    target: Target
+    searched: tuple[str, ...]  # the families the space covered
     ranked: list[Ranked]  # the whole space, survivors first in predicted order
     timings: list[Timing]  # in the order timed
     limit: int  # most candidates the max fraction allows
@@ -75,23 +87,20 @@ class ShapeResult:
 
     @property
     def launchable(self) -> int:
-        return sum(r.pruned.candidate.launchable for r in self.ranked)
+        return sum(r.candidate.launchable for r in self.ranked)
 
     def tflops(self, ms: float) -> float:
-        return self.shape.flops(self.spec.head_dim, self.spec.mask == "causal") / (ms * 1e-3) / 1e12
+        problem = self.spec.problem
+        return tflops(self.shape.flops(problem.head_dim, problem.causal), ms)
 
 
 # -- building and timing one candidate ------------------------------------------------------
-def _nvrtc_binary(spec: AttentionSpec, family: str, target: str) -> str | None:
-    """Worker: compile `spec` with NVRTC into the on-disk cache; None, or why it failed."""
-    from attngen import compiler
-    from attngen.plan import make_plan
-    from attngen.render import render_plan
+def _nvrtc_binary(family: str, problem: Problem, target: Target, config) -> str | None:
+    """Worker: build one candidate with NVRTC into the on-disk cache; None, or why it failed."""
+    from attngen.build import compiler
 
     try:
-        plan = make_plan(spec, family)
-        compiler.cached_compile(plan.name, render_plan(plan), target, compiler.NVRTC_OPTIONS,
-                                compiler.nvrtc_version(), compiler.nvrtc_compile)
+        compiler.build(build_plan(family, problem, target, config))
         return None
     except Exception as exc:  # noqa: BLE001 - a failed build is a verdict, not a crash
         return describe_error(exc)
@@ -107,49 +116,51 @@ def measure(fn, input_sets, best_ms: float) -> tuple[float, bool]:
     return time_ms(fn, input_sets), False
 
 
-def input_sets(spec: AttentionSpec, shape: Shape):
-    from attngen.bench import _input_sets
-    from attngen.runtime import _DTYPE_NAMES
+def input_sets(problem: Problem, shape: Shape):
+    """Rotating (q, k, v) sets of `shape` in the problem's dtype, on the current GPU."""
+    from attngen.bench import input_sets
+    from attngen.dtypes import get_dtype
 
-    dtype = _DTYPE_NAMES[spec.dtype]
-    if shape.heads_q % spec.gqa_ratio:
-        raise ValueError(f"heads_q={shape.heads_q} is invalid for gqa_ratio={spec.gqa_ratio}; allowed: a multiple "
+    if shape.heads_q % problem.gqa_ratio:
+        raise ValueError(f"heads_q={shape.heads_q} is invalid for gqa_ratio={problem.gqa_ratio}; allowed: a multiple "
                          "of gqa_ratio")
     if shape.seqlen_q != shape.seqlen_k:
         raise ValueError(f"shape {shape.label()}: the search times square shapes only (seqlen_q == seqlen_k)")
-    return _input_sets(shape.batch, shape.seqlen_q, shape.heads_q, spec.head_dim, dtype=dtype,
-                       kv_heads=shape.heads_q // spec.gqa_ratio)
+    return input_sets(shape.batch, shape.seqlen_q, shape.heads_q, problem.head_dim,
+                       dtype=get_dtype(problem.dtype).torch_name, kv_heads=shape.heads_q // problem.gqa_ratio)
 
 
-def verify(spec: AttentionSpec) -> str | None:
-    """None when `spec`'s kernel passes the fuzz harness's check on one case, else why not. The
-    outputs start as NaN inside guarded buffers (a kernel that skips a write or writes outside its
-    output fails), the layout is padded (strides that do not follow from the shape), and the
+def verify(candidate: Candidate) -> str | None:
+    """None when the candidate's kernel passes the fuzz harness's check on one case, else why not.
+    The harness runs the fully configured spec (its family and config pinned) on the current GPU.
+    The outputs start as NaN inside guarded buffers (a kernel that skips a write or writes outside
+    its output fails), the layout is padded (strides that do not follow from the shape), and the
     length is one no tile divides."""
     from attngen.fuzz.case import FuzzCase
     from attngen.fuzz.check import run_case
     from attngen.fuzz.runners import KernelRunner
 
-    case = FuzzCase(spec, batch=1, seq_q=VERIFY_SEQLEN, seq_k=VERIFY_SEQLEN, heads_kv=VERIFY_KV_HEADS, layout="padded")
+    case = FuzzCase(candidate.spec, batch=1, seq_q=VERIFY_SEQLEN, seq_k=VERIFY_SEQLEN, heads_kv=VERIFY_KV_HEADS,
+                    layout="padded")
     try:
         result = run_case(case, KernelRunner())
     except Exception as exc:
         if is_sticky_cuda_error(f"{type(exc).__name__}: {exc}"):
-            raise sticky_error(spec.tile.label(), "verifying it", describe_error(exc)) from exc
+            raise sticky_error(candidate.label, "verifying it", describe_error(exc)) from exc
         raise
     if result.ok:
         return None
     if result.kind == "device":
-        raise sticky_error(spec.tile.label(), "verifying it", result.detail)
+        raise sticky_error(candidate.label, "verifying it", result.detail)
     return f"failed verification ({result.kind}): {result.detail}"
 
 
-def _time(timing: Timing, sets, best_ms: float) -> None:
+def _time(timing: Timing, sets, best_ms: float, device: int) -> None:
     """Time `timing`'s kernel into it (a probe only when that is far behind `best_ms`); a failure is its error."""
-    import attngen
+    from attngen.runtime import dispatch
 
     try:
-        kernel = attngen.compile(timing.ranked.spec)
+        kernel = dispatch.kernel_for(timing.candidate.plan, device)
         timing.ms, timing.probe_only = measure(lambda q, k, v: kernel(q, k, v), sets, best_ms)
     except Exception as exc:  # noqa: BLE001 - a launch failure is recorded, never a crash
         timing.ms, timing.error = math.inf, describe_error(exc)
@@ -157,15 +168,16 @@ def _time(timing: Timing, sets, best_ms: float) -> None:
             raise sticky_error(timing.ranked.label, "timing it", timing.error) from exc
 
 
-def time_candidates(todo: list[Ranked], shape: Shape, target: str, deadline: float, jobs: int | None,
+def time_candidates(todo: list[Ranked], shape: Shape, device: int, deadline: float, jobs: int | None,
                     on_timed=None) -> tuple[list[Timing], bool]:
     """Timings of `todo` in order, and whether the deadline cut the list short."""
-    sets = input_sets(todo[0].spec, shape)
+    sets = input_sets(todo[0].candidate.problem, shape)
     timings: list[Timing] = []
     out_of_time = False
     best = math.inf
     with process_pool(jobs) as pool:
-        builds = [pool.submit(_nvrtc_binary, r.spec, r.pruned.candidate.plan.arch, target) for r in todo]
+        builds = [pool.submit(_nvrtc_binary, c.family, c.problem, c.target, c.config)
+                  for c in (r.candidate for r in todo)]
         try:
             for i, (r, build) in enumerate(zip(todo, builds)):
                 if i > 0 and time.monotonic() > deadline:
@@ -173,7 +185,7 @@ def time_candidates(todo: list[Ranked], shape: Shape, target: str, deadline: flo
                     break
                 timing = Timing(r, math.inf, build.result())
                 if timing.error is None:
-                    _time(timing, sets, best)
+                    _time(timing, sets, best, device)
                     best = min(best, timing.ms)
                 timings.append(timing)
                 if on_timed is not None:
@@ -185,7 +197,7 @@ def time_candidates(todo: list[Ranked], shape: Shape, target: str, deadline: flo
     return timings, out_of_time
 
 
-def verified_winner(timings: list[Timing], shape: Shape) -> Timing | None:
+def verified_winner(timings: list[Timing], shape: Shape, device: int) -> Timing | None:
     """The fastest timing whose kernel passes verify(), timed in full; wrong ones become infinite.
 
     A probe-only time can come first: its probe was cut off by a faster candidate that then
@@ -198,10 +210,10 @@ def verified_winner(timings: list[Timing], shape: Shape) -> Timing | None:
             return None
         first = min(ok, key=lambda t: t.ms)
         if first.probe_only:
-            sets = input_sets(first.ranked.spec, shape) if sets is None else sets
-            _time(first, sets, math.inf)
+            sets = input_sets(first.candidate.problem, shape) if sets is None else sets
+            _time(first, sets, math.inf, device)
             continue
-        error = verify(first.ranked.spec)
+        error = verify(first.candidate)
         if error is None:
             return first
         first.ms, first.error = math.inf, error
@@ -217,45 +229,34 @@ def check_search_args(budget_s: float | None, max_fraction: float) -> None:
 
 
 def check_narrowed(spec: AttentionSpec, store_narrowed: bool) -> None:
-    """A spec that pins tile fields searches part of the space, yet its winner would be stored under
-    the untiled key that every untiled call reads: only when asked to."""
-    pinned = {f: getattr(spec, f) for f in TILE_FIELDS if getattr(spec, f) is not None}
-    if pinned and not store_narrowed:
-        spelled = ", ".join(f"{k}={v}" for k, v in pinned.items())
-        raise TuneError(f"{spec.source or spec.to_dict()}: pins {spelled}, so only part of the tile space would be "
-                        "searched, yet the winner would be stored for every untiled call of the spec; allowed: a "
-                        "spec with no tile field set (the whole space), or --store-narrowed (store_narrowed=True) "
-                        "to store the narrowed winner anyway")
-
-
-def device_gpu_model(device: int) -> GpuModel:
-    """The arch's model with this device's name and SM count."""
-    import torch
-
-    from attngen.runtime import _device_arch
-
-    props = torch.cuda.get_device_properties(device)
-    return gpu_model(_device_arch(device)[0]).with_device(lookup.device_identity(device)[0],
-                                                          props.multi_processor_count)
+    """A spec that pins config fields searches part of its family's space, yet its winner would be
+    stored under the key that every call pinning only that family reads: only when asked to."""
+    if spec.config and not store_narrowed:
+        spelled = ", ".join(f"{k}={v}" for k, v in spec.config.items())
+        raise TuneError(f"{spec.source or spec.to_dict()}: pins {spelled}, so only part of family {spec.family}'s "
+                        f"configs would be searched, yet the winner would be stored for every call that pins family "
+                        f"{spec.family} and no config field; allowed: a spec with no config field set (the whole "
+                        "space), or --store-narrowed (store_narrowed=True) to store the narrowed winner anyway")
 
 
 def tune(spec: AttentionSpec, shapes: list[Shape], *, deadline: float | None = None, max_fraction: float = 0.3,
          db: TuningDB | None = None, jobs: int | None = None, progress=None,
          store_narrowed: bool = False) -> list[ShapeResult]:
-    """Search the tile space of `spec` for each shape on the current GPU and store each winner.
+    """Search the (family, config) space of `spec` for each shape on the current GPU and store each winner.
 
+    Every family that can run the spec's problem on this GPU is searched, unless the spec pins one.
     `deadline` (a time.monotonic() value; default: DEFAULT_BUDGET_S from now) bounds the whole
     call, building, timing and verification included: each shape gets an even share of the time
     left when it starts, so an overrun comes out of the shapes after it. The first config of
     every shape is timed even past the deadline. `max_fraction` bounds how much of the space one
-    shape may time. A spec that pins tile fields narrows the space; its winner is stored (under
-    the untiled key) only with `store_narrowed`. Results go to `db` (default: the default
-    database); a result the database does not take (it holds a newer entry) is a TuneError.
+    shape may time. A spec that pins config fields narrows the space; its winner is stored (under
+    the key of the spec without them) only with `store_narrowed`. Results go to `db` (default: the
+    default database); a result the database does not take (it holds a newer entry) is a TuneError.
     `progress`, if given, is an attngen.progress.Progress.
     """
     import torch
 
-    from attngen.nvcc import find_nvcc
+    from attngen.build import nvcc
 
     check_search_args(None, max_fraction)
     deadline = time.monotonic() + DEFAULT_BUDGET_S if deadline is None else deadline
@@ -266,22 +267,24 @@ def tune(spec: AttentionSpec, shapes: list[Shape], *, deadline: float | None = N
     check_narrowed(spec, store_narrowed)
     if not torch.cuda.is_available():
         raise TuneError("attngen tune needs a CUDA GPU; torch.cuda.is_available() is False")
-    if find_nvcc() is None:
-        raise TuneError("attngen tune needs nvcc (PATH or $CUDA_HOME/bin) for the resource report")
+    if nvcc.find_nvcc() is None:
+        raise TuneError(f"attngen tune needs nvcc for the resource report: {nvcc.NVCC_MISSING}")
     db = db or TuningDB()
     device = torch.cuda.current_device()
-    gpu = device_gpu_model(device)
-    gpu_name, target = lookup.device_identity(device)
+    target = targets.device_target(device)
+    gpu = gpu_model(target)
 
-    space = search_space(spec, gpu.arch)
+    space = search_space(spec, target)
     task = progress.task("resource report (nvcc)", sum(c.launchable for c in space)) if progress else None
     pruned = analyse(space, gpu, jobs, on_compiled=task.advance if task else None)
+    stored_for, searched = unconfigured(spec), families_of(space)
     results = []
     for i, shape in enumerate(shapes):
         now = time.monotonic()
         share = now + max(0.0, deadline - now) / (len(shapes) - i)  # an even share of what is left
-        result = _search_shape(spec, shape, pruned, gpu, target, share, max_fraction, jobs, progress)
-        result.entry = _entry(result, gpu_name, target)
+        result = _search_shape(stored_for, searched, shape, pruned, gpu, target, device, share, max_fraction, jobs,
+                               progress)
+        result.entry = _entry(result)
         _store(db, result.entry)
         results.append(result)
     return results
@@ -291,44 +294,46 @@ def _store(db: TuningDB, entry: TuningEntry) -> None:
     if db.put(entry):
         return
     there = db.get(entry.key)
-    held = f"{there.tile.label()}, updated {there.updated}" if there is not None else "updated later than this one"
-    raise TuneError(f"{db.path}: this run's winner for {entry.shape} ({entry.tile.label()}, {entry.ms:.4g} ms, updated "
-                    f"{entry.updated}) was not stored: the database holds a newer entry for its key ({held}), "
-                    "and an older result never replaces a newer one. The newer entry came from another tune run, "
-                    "or from an --import of a machine whose clock is ahead")
+    held = f"{there.label()}, updated {there.updated}" if there is not None else "updated later than this one"
+    raise TuneError(f"{db.path}: this run's winner for {entry.shape} ({entry.label()}, "
+                    f"{entry.ms:.4g} ms, updated {entry.updated}) was not stored: the database holds a newer entry for "
+                    f"its key ({held}), and an older result never replaces a newer one. The newer entry came from "
+                    "another tune run, or from an --import of a machine whose clock is ahead")
 
 
-def _search_shape(spec: AttentionSpec, shape: Shape, pruned, gpu: GpuModel, target: str, deadline: float,
-                  max_fraction: float, jobs: int | None, progress) -> ShapeResult:
+def _search_shape(spec: AttentionSpec, searched: tuple[str, ...], shape: Shape, pruned, gpu: GpuModel,
+                  target: Target, device: int, deadline: float, max_fraction: float, jobs: int | None,
+                  progress) -> ShapeResult:
     start = time.monotonic()
     ranked = rank(pruned, gpu, shape)
     alive = survivors(ranked)
     if not alive:
         raise TuneError(no_survivor_error(spec, ranked))
-    limit = max(1, math.floor(max_fraction * sum(r.pruned.candidate.launchable for r in ranked)))
+    limit = max(1, math.floor(max_fraction * sum(r.candidate.launchable for r in ranked)))
     todo = alive[:limit]
     task = progress.task(f"timing {shape.label()}", len(todo)) if progress else None
-    flops = shape.flops(spec.head_dim, spec.mask == "causal")
+    flops = shape.flops(spec.head_dim, spec.problem.causal)
 
     def on_timed(timing, best):
         if task is not None:
-            task.advance(f"best {flops / best / 1e9:.0f} TFLOP/s" if math.isfinite(best) else "")
+            task.advance(f"best {tflops(flops, best):.0f} TFLOP/s" if math.isfinite(best) else "")
 
-    timings, out_of_time = time_candidates(todo, shape, target, deadline, jobs, on_timed)
-    winner = verified_winner(timings, shape)
+    timings, out_of_time = time_candidates(todo, shape, device, deadline, jobs, on_timed)
+    winner = verified_winner(timings, shape, device)
     if winner is None:
         reasons = "; ".join(f"{t.ranked.label}: {t.error}" for t in timings[:3])
         raise TuneError(f"every timed configuration of {spec.to_dict()} on {shape.label()} failed: {reasons}")
     stopped_by = "budget" if out_of_time else "survivors" if len(alive) <= limit else "max fraction"
-    return ShapeResult(untiled(spec), shape, gpu, ranked, timings, limit, stopped_by, time.monotonic() - start,
-                       winner)
+    return ShapeResult(spec, shape, gpu, target, searched, ranked, timings, limit, stopped_by,
+                       time.monotonic() - start, winner)
 
 
-def _entry(result: ShapeResult, gpu_name: str, target: str) -> TuningEntry:
+def _entry(result: ShapeResult) -> TuningEntry:
     import attngen
 
-    win = result.winner
-    key = TuningKey.for_shape(result.spec, result.shape, gpu_name, target, lookup.compiler_version())
-    return TuningEntry(key, win.ranked.spec.tile, win.ms, result.tflops(win.ms), result.shape.label(),
-                       timed=len(result.timings), space=result.launchable, attngen_version=attngen.__version__,
-                       updated=now_utc())
+    win = result.winner.candidate
+    key = TuningKey.for_shape(result.spec, result.shape, result.target.device_name, result.target.name,
+                              lookup.compiler_version())
+    return TuningEntry(key, win.family, win.config.to_dict(), result.searched, result.winner.ms,
+                       result.tflops(result.winner.ms), result.shape.label(), timed=len(result.timings),
+                       space=result.launchable, attngen_version=attngen.__version__, updated=now_utc())

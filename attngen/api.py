@@ -1,0 +1,165 @@
+"""The front door: `attngen.attention`, a torch custom op with a fake implementation.
+
+On torch tensors, `attention` calls the op `torch.ops.attngen.forward(q, k, v, spec_key,
+softmax_scale)`. Its fake (meta) implementation gives the outputs' shapes and dtypes and checks
+the inputs, so `torch.compile(fullgraph=True)` traces it without a graph break; the real one
+resolves the call to a loaded kernel (attngen/runtime/dispatch.py, memoized per shape bucket)
+and launches it on the current stream, which CUDA graphs capture. Eager calls on plain tensors
+skip the dispatcher's op machinery and run the same implementation directly (EAGER_DIRECT),
+which saves its per-call overhead. CuPy arrays take the runtime directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from attngen.masks import MASKS
+from attngen.spec import HEAD_DIMS, MAX_GQA_RATIO, AttentionSpec
+
+OP = "attngen::forward"
+SCHEMA = "(Tensor q, Tensor k, Tensor v, str spec_key, float? softmax_scale) -> (Tensor, Tensor)"
+# Eager calls on plain tensors, with autograd not needed, run the op's implementation directly.
+EAGER_DIRECT = True
+_SPEC_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = None,
+              softmax_scale: float | None = None, return_lse: bool = False):
+    """Attention forward, softmax(scale * q k^T + mask) v, in one fused kernel.
+
+    Args:
+        q: (batch, seq_q, heads_q, head_dim) torch CUDA tensor (or CuPy array), fp16 or bf16.
+        k, v: (batch, seq_k, heads_kv, head_dim), the dtype and device of q. heads_q must be a
+            multiple of heads_kv (grouped-query attention): query head h reads kv head
+            h // (heads_q // heads_kv).
+            Only the last dimension must be contiguous, and rows 16-byte aligned: a
+            (batch, heads, seq, head_dim) tensor passed as `.transpose(1, 2)` needs no copy.
+        spec: an AttentionSpec pinning everything (head dim, dtype, GQA ratio, mask, scale, and
+            optionally the kernel family and its config). Without one, head dim, dtype and GQA
+            ratio are taken from the tensors and the mask from `mask`.
+        mask: "none" (default) or "causal" (bottom-right aligned when seq_q != seq_k: query i
+            sees keys j <= i + seq_k - seq_q). With a spec, it must agree with the spec's mask.
+        softmax_scale: the scale of q k^T; default the spec's, else 1 / sqrt(head_dim).
+        return_lse: also return the log-sum-exp of each row's scaled scores.
+
+    Returns:
+        out, like q (new, contiguous), in q's dtype; with return_lse, (out, lse) where lse is
+        float32 (batch, heads_q, seq_q), natural log. A row that sees no key (causal with
+        seq_k < seq_q) gives out 0 and lse -inf.
+
+    The kernel is chosen per GPU and shape bucket: the spec's pinned family and config, the
+    configuration `attngen tune` stored for this shape, else the best family's defaults; it is
+    compiled on first use and cached on disk. Works under torch.compile(fullgraph=True) and in
+    CUDA graph capture; runs on the current CUDA stream.
+
+    Raises:
+        ValueError (SpecError for spec fields): a bad argument, naming it, its value and what is
+        allowed: wrong device, dtype, rank, head dim, head counts, a non-contiguous last
+        dimension, misaligned rows, a spec that disagrees with the tensors.
+    """
+    if type(q).__module__.startswith("torch"):
+        import torch
+
+        key = _spec_key(q, k, spec, mask)
+        if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
+            raise ValueError("q, k or v requires grad, but attngen has no backward kernel yet; call under "
+                             "torch.no_grad() or detach the inputs")
+        if EAGER_DIRECT and not torch.compiler.is_compiling() and type(q) is torch.Tensor \
+                and type(k) is torch.Tensor and type(v) is torch.Tensor:
+            out, lse = _forward_impl(q, k, v, key, softmax_scale)
+        else:
+            out, lse = (_OP or register())(q, k, v, key, softmax_scale)
+    else:
+        from attngen.runtime.dispatch import forward
+
+        out, lse = forward(q, k, v, _spec_from_key(_spec_key(q, k, spec, mask)), softmax_scale=softmax_scale)
+    return (out, lse) if return_lse else out
+
+
+def _spec_key(q, k, spec, mask) -> str:
+    """The canonical key of the spec a call runs: pure Python over tensor metadata, so torch.compile
+    traces it into constants."""
+    if spec is not None:
+        if not isinstance(spec, AttentionSpec):
+            raise ValueError(f"spec must be an attngen.AttentionSpec or None, got {type(spec).__name__}")
+        if mask is not None and mask != spec.mask:
+            raise ValueError(f"mask={mask!r} conflicts with the spec's mask={spec.mask!r}; allowed: None or the "
+                             "spec's mask")
+        return spec.key()
+    mask = "none" if mask is None else mask
+    if not isinstance(mask, str) or mask not in MASKS:
+        raise ValueError(f"mask={mask!r} is invalid; allowed: {', '.join(MASKS)}")
+    for name, t in (("q", q), ("k", k)):
+        if len(t.shape) != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
+    head_dim = q.shape[3]
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"q has head_dim {head_dim} (shape {tuple(q.shape)}); allowed: {HEAD_DIMS}")
+    dtype = _SPEC_DTYPES.get(str(q.dtype).removeprefix("torch."))
+    if dtype is None:
+        raise ValueError(f"q has dtype {str(q.dtype).removeprefix('torch.')}; allowed: float16, bfloat16")
+    heads_q, heads_kv = q.shape[2], k.shape[2]
+    if heads_kv < 1 or heads_q % heads_kv or not 1 <= heads_q // heads_kv <= MAX_GQA_RATIO:
+        raise ValueError(f"q has {heads_q} heads and k has {heads_kv}; allowed: heads_q a multiple of heads_kv, "
+                         f"at most {MAX_GQA_RATIO} times")
+    # AttentionSpec.key()'s canonical JSON, spelled out (fields sorted, no spaces).
+    return f'{{"dtype":"{dtype}","gqa_ratio":{heads_q // heads_kv},"head_dim":{head_dim},"mask":"{mask}"}}'
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec_from_key(key: str) -> AttentionSpec:
+    return AttentionSpec.from_key(key)
+
+
+def _forward_impl(q, k, v, spec_key: str, softmax_scale: float | None):
+    from attngen.runtime.dispatch import forward
+
+    return forward(q, k, v, _spec_from_key(spec_key), softmax_scale=softmax_scale)
+
+
+def _forward_fake(q, k, v, spec_key: str, softmax_scale: float | None):
+    """Shapes and dtypes of the outputs, after the checks that need no data."""
+    from attngen.runtime import checks
+    from attngen.runtime.tensors import TensorInfo
+
+    spec = _spec_from_key(spec_key)
+    infos = [TensorInfo(name, "torch", 0, tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."),
+                        t.get_device()) for name, t in (("q", q), ("k", k), ("v", v))]
+    for t, info in zip((q, k, v), infos):
+        if not t.is_cuda:
+            raise ValueError(f"{info.name} must be a CUDA tensor, got device {t.device}")
+    checks.check_inputs(spec.problem, *infos)
+    checks.check_scale(softmax_scale, spec.problem)
+    B, Sq, Hq, D = q.shape
+    return q.new_empty((B, Sq, Hq, D)), q.new_empty((B, Hq, Sq), dtype=_torch().float32)
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+_OP = None
+
+
+def register():
+    """Register torch.ops.attngen.forward (done when attngen is imported after torch, else on first use;
+    importing attngen needs no torch). Returns the op."""
+    global _OP
+    if _OP is not None:
+        return _OP
+    torch = _torch()
+
+    @torch.library.custom_op(OP, mutates_args=(), schema=SCHEMA)
+    def forward(q, k, v, spec_key, softmax_scale):
+        return _forward_impl(q, k, v, spec_key, softmax_scale)
+
+    forward.register_fake(_forward_fake)
+    _OP = torch.ops.attngen.forward
+    return _OP
+
+
+if "torch" in sys.modules:
+    register()

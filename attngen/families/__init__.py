@@ -1,0 +1,65 @@
+"""Kernel families, in order of preference: the dispatcher runs the first that supports a problem
+on the GPU at hand (a spec may pin one by name).
+
+Adding a family: a folder beside fwd_sm80/ whose __init__.py exposes FAMILY (a KernelFamily,
+attngen/families/base.py), and its name in REGISTERED. Nothing else names families.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from attngen.errors import SpecError
+from attngen.families.base import KernelFamily, Plan
+
+REGISTERED = ("fwd_sm90", "fwd_sm80")
+
+FAMILIES: dict[str, KernelFamily] = {
+    name: importlib.import_module(f"attngen.families.{name}").FAMILY for name in REGISTERED
+}
+
+
+def get_family(name: str) -> KernelFamily:
+    try:
+        return FAMILIES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"family={name!r} is invalid; allowed: {', '.join(FAMILIES)}") from None
+
+
+def supporting(problem, target) -> list[KernelFamily]:
+    """The families that can run `problem` on `target`, in order of preference."""
+    return [f for f in FAMILIES.values() if f.supports(problem, target) is None]
+
+
+def select(problem, target, family: str | None = None) -> KernelFamily:
+    """The pinned family (SpecError saying why when it cannot run here), else the first that can."""
+    if family is not None:
+        chosen = get_family(family)
+        reason = chosen.supports(problem, target)
+        if reason is not None:
+            raise SpecError(f"family={family!r} cannot run {problem.label()} on {target.name}: {reason}",
+                            field="family")
+        return chosen
+    found = supporting(problem, target)
+    if not found:
+        reasons = "; ".join(f"{f.name}: {f.supports(problem, target)}" for f in FAMILIES.values())
+        raise SpecError(f"no kernel family can run {problem.label()} on {target.name} ({reasons})", field="family")
+    return found[0]
+
+
+def plan_spec(spec, target=None, *, fault: str | None = None) -> Plan:
+    """The plan a spec makes for `target` (default: the spec's arch, else sm_90): its pinned family or
+    the preferred one, its pinned config fields and the family's defaults for the rest. No tuning
+    lookup (attngen/runtime/dispatch.py adds that)."""
+    from attngen import targets
+
+    if target is None:
+        target = targets.target(spec.arch or targets.DEFAULT_ARCH)
+    try:
+        family = select(spec.problem, target, spec.family)
+        config = family.resolve_config(spec.problem, target, spec.pinned if spec.family == family.name else {})
+        return family.plan(spec.problem, target, config, fault=fault)
+    except SpecError as exc:
+        if spec.source and not str(exc).startswith(spec.source):
+            raise SpecError(f"{spec.source}: {exc}", field=exc.field, problems=exc.problems) from None
+        raise

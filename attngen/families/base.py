@@ -1,0 +1,188 @@
+"""The kernel-family protocol: what every family implements, and the values that pass between stages.
+
+A family is one way of computing attention on some GPUs (the mma.sync forward, the Hopper
+wgmma forward, a backward, a split-KV decode with its combine kernel, ...). It lives in its own
+folder (Python, templates, headers) and implements `KernelFamily`:
+
+  supports(problem, target)     -> None, or why it cannot run this problem on this target
+  config_fields                 the tunable fields and their allowed values
+  check_config(config)          problems with a (partial) config: the spec validates with it
+  configs(problem, target)      every configuration the tuner may time
+  default_config(...)           what runs when nothing is tuned or pinned
+  plan(problem, target, config) -> Plan: kernels, threads, shared memory, ABI; SpecError if it
+                                   cannot be built for the target
+  render(plan)                  -> the CUDA source of the plan's module
+  accepts(plan, call)           -> None, or why these tensors need another family (a layout TMA
+                                   cannot describe, say): the dispatcher then falls back
+  workspace_bytes(plan, call)   scratch memory one call needs (0 by default)
+  launches(plan, call)          -> the ordered kernels of one call: grids, blocks, packed parameters
+  estimate(plan, report, gpu, shape) -> the tuner's predicted time
+
+The generic stages (spec validation, build, dispatch, tune, fuzz, CLI) reach kernels only
+through this protocol; attngen/families/__init__.py registers the families.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+
+from attngen.codegen.abi import Abi
+from attngen.spec import Problem
+from attngen.targets import Target
+
+if TYPE_CHECKING:
+    from attngen.build.nvcc import ResourceReport
+    from attngen.runtime.tensors import TensorInfo
+    from attngen.tune.model import Estimate, GpuModel, Shape
+
+
+class Config:
+    """Base of a family's configuration: a frozen dataclass of its tunable fields."""
+
+    def label(self) -> str:
+        """The configuration in identifiers, e.g. m128n64w4s2."""
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """One __global__ function of a plan's module."""
+
+    symbol: str
+    threads: int
+    smem_bytes: int  # dynamic shared memory per block
+    abi: Abi
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Everything rendering and launching need. Families subclass it to add their own choices."""
+
+    family: str
+    name: str  # canonical: module name, generated/ file name, cache entry name
+    problem: Problem
+    target: Target
+    config: Config
+    kernels: tuple[KernelPlan, ...]
+    block_m: int  # query rows per tile
+    block_n: int  # keys per tile
+    fault: str | None = None  # attngen/faults.py; None for every kernel users run
+
+    def choices(self) -> dict[str, Any]:
+        """What the family derived beyond the problem and the config (manifests, tuner tables)."""
+        return {}
+
+
+@dataclass(frozen=True)
+class ForwardCall:
+    """The validated arguments of one forward call (attngen/runtime/checks.py made them)."""
+
+    q: "TensorInfo"
+    k: "TensorInfo"
+    v: "TensorInfo"
+    out: "TensorInfo"
+    lse: "TensorInfo"
+    softmax_scale: float
+    workspace: int = 0  # device address of workspace_bytes() of scratch, when asked for
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def seq_q(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def seq_k(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def heads_q(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def heads_kv(self) -> int:
+        return self.k.shape[2]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a call, in order."""
+
+    kernel: str  # symbol
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem_bytes: int
+    params: bytes  # the kernel's ABI struct, packed
+
+
+class KernelFamily(ABC):
+    name: ClassVar[str]
+    description: ClassVar[str]
+    folder: ClassVar[Path]  # templates and headers
+    config_fields: ClassVar[dict[str, tuple]]  # field -> allowed values (in the tuner's order)
+
+    def __repr__(self) -> str:
+        return f"<kernel family {self.name}>"
+
+    @abstractmethod
+    def supports(self, problem: Problem, target: Target) -> str | None: ...
+
+    def check_config(self, config: Mapping[str, Any]) -> list[str]:
+        """What is wrong with a (partial) config, as messages naming field, value and what is allowed."""
+        problems = []
+        for name, value in config.items():
+            allowed = self.config_fields.get(name)
+            if allowed is None:
+                problems.append(f"config field {name!r} is not one of family {self.name}'s; allowed: "
+                                f"{', '.join(self.config_fields)}")
+            elif isinstance(value, bool) != isinstance(allowed[0], bool) or value not in allowed \
+                    or type(value) is not type(allowed[0]):
+                problems.append(f"config.{name}={value!r} is invalid; allowed: "
+                                f"{{{', '.join(str(v) for v in allowed)}}}")
+        return problems
+
+    @abstractmethod
+    def configs(self, problem: Problem, target: Target, pinned: Mapping[str, Any] | None = None) -> list[Config]:
+        """Every configuration with the pinned fields (those the spec sets), whether or not it fits the
+        target: plan() says which do."""
+
+    @abstractmethod
+    def default_config(self, problem: Problem, target: Target) -> Config: ...
+
+    @abstractmethod
+    def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any]) -> Config:
+        """The config with the pinned fields, the rest filled in from the default."""
+
+    @abstractmethod
+    def plan(self, problem: Problem, target: Target, config: Config, *, fault: str | None = None) -> Plan: ...
+
+    @abstractmethod
+    def render(self, plan: Plan) -> str: ...
+
+    def accepts(self, plan: Plan, call: ForwardCall) -> str | None:
+        return None
+
+    def workspace_bytes(self, plan: Plan, call: ForwardCall) -> int:
+        return 0
+
+    @abstractmethod
+    def launches(self, plan: Plan, call: ForwardCall) -> list[Launch]: ...
+
+    @abstractmethod
+    def estimate(self, plan: Plan, report: "ResourceReport", gpu: "GpuModel", shape: "Shape") -> "Estimate": ...
+
+    # -- shared helpers -------------------------------------------------------------------
+    def plan_name(self, problem: Problem, target: Target, config: Config, fault: str | None = None) -> str:
+        """The canonical name: family, problem, config and target, e.g.
+        fwd_sm80_causal_d128_gqa4_bf16_m128n64w4s2_sm90a."""
+        name = f"{self.name}_{problem.label()}_{config.label()}_{target.label}"
+        return name if fault is None else f"{name}_fault_{fault}"

@@ -1,0 +1,254 @@
+"""fwd_sm90: the Hopper forward (sm_90a): wgmma, TMA, warp specialisation.
+
+One CTA computes one query block of one (batch, query head): a producer warpgroup streams Q and
+the K/V blocks through a shared-memory ring with TMA, and `consumers` warpgroups of 64 query
+rows each run S = Q K^T and O += P V on wgmma with the online softmax in registers
+(flash_fwd_sm90.cuh). The config: keys per block, consumer warpgroups, ring stages, whether
+each warpgroup overlaps its softmax with its own GEMMs, and whether the warpgroups take turns
+issuing GEMMs (pingpong). Runs only on sm_90a (H100, H200): wgmma and setmaxnreg exist nowhere
+else, and the runtime always plans for the GPU it runs on.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from attngen.codegen import render as codegen
+from attngen.codegen.abi import Abi, Param
+from attngen.dtypes import get_dtype
+from attngen.errors import SpecError
+from attngen.faults import check_fault, fault_macro
+from attngen.families.base import Config, ForwardCall, KernelFamily, KernelPlan, Launch, Plan
+from attngen.families.fwd_sm90 import tma
+from attngen.masks import MASKS, MaskLowering, get_mask
+from attngen.spec import Problem
+from attngen.targets import Target
+
+FOLDER = Path(__file__).resolve().parent
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 96, 128, 256)
+BLOCK_NS = (64, 80, 96, 112, 128, 144, 160, 176, 192)
+CONSUMERS = (1, 2, 3)
+NUM_STAGES = (2, 3, 4)
+# Registers per thread of the producer and of each consumer warpgroup (setmaxnreg): the 64K
+# register file split so the consumers hold S, P and O. One consumer warpgroup keeps the default.
+REGISTERS = {1: (None, None), 2: (24, 240), 3: (32, 160)}
+DEFAULT_SMS = 132  # a persistent grid's size where the target is not a device (an H100 SXM)
+_LABEL = re.compile(r"m(\d+)n(\d+)s(\d+)(o?)(p?)(r?)")
+
+
+@dataclass(frozen=True)
+class Sm90Config(Config):
+    block_n: int  # keys per block
+    consumers: int  # consumer warpgroups, 64 query rows each
+    num_stages: int  # K/V ring depth
+    overlap: bool  # the softmax of block j runs while S of block j+1 and P V of block j-1 run
+    pingpong: bool  # consumer warpgroups take turns issuing GEMMs
+    persistent: bool  # one CTA per SM works through the tiles: a tile's epilogue overlaps the next's loads
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
+
+    def label(self) -> str:
+        return (f"m{self.block_m}n{self.block_n}s{self.num_stages}" + ("o" if self.overlap else "")
+                + ("p" if self.pingpong else "") + ("r" if self.persistent else ""))
+
+    @classmethod
+    def from_label(cls, label: str) -> "Sm90Config":
+        match = _LABEL.fullmatch(label)
+        if match is None or int(match.group(1)) % 64:
+            raise ValueError(f"{label!r} is not a fwd_sm90 config label such as m128n128s2opr")
+        return cls(int(match.group(2)), int(match.group(1)) // 64, int(match.group(3)), bool(match.group(4)),
+                   bool(match.group(5)), bool(match.group(6)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sm90Plan(Plan):
+    consumers: int
+    num_stages: int
+    q_buffers: int  # 2 when shared memory holds a second Q tile: the next tile's Q loads early
+    overlap: bool
+    pingpong: bool
+    persistent: bool
+    threads: int
+    smem_bytes: int
+    producer_regs: int | None
+    consumer_regs: int | None
+    mask: MaskLowering
+
+    @property
+    def dtype(self) -> str:
+        return self.problem.dtype
+
+    @property
+    def head_dim(self) -> int:
+        return self.problem.head_dim
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.problem.gqa_ratio
+
+    @property
+    def fault_macro(self) -> str | None:
+        return fault_macro(self.fault)
+
+    @property
+    def problem_summary(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self.problem, f.name)}" for f in fields(self.problem)
+                         if getattr(self.problem, f.name) is not None)
+
+    def choices(self) -> dict[str, Any]:
+        return {"threads": self.threads, "smem_bytes": self.smem_bytes, "q_buffers": self.q_buffers,
+                "producer_regs": self.producer_regs, "consumer_regs": self.consumer_regs}
+
+
+@dataclass(frozen=True)
+class Sm90Args:
+    """What one launch packs: the call, the query blocks per head, and the tensor maps of q, k, v, out."""
+
+    call: ForwardCall
+    m_blocks: int
+    tmap_q: bytes
+    tmap_k: bytes
+    tmap_v: bytes
+    tmap_o: bytes
+
+
+ARGUMENTS = Abi("FwdSm90Params", [
+    Param("tmap_q", "TensorMap", "tensor_map", lambda a: a.tmap_q, "box: 64 columns x block_m rows"),
+    Param("tmap_k", "TensorMap", "tensor_map", lambda a: a.tmap_k, "box: 64 columns x block_n rows"),
+    Param("tmap_v", "TensorMap", "tensor_map", lambda a: a.tmap_v, "box: 64 columns x block_n rows"),
+    Param("tmap_o", "TensorMap", "tensor_map", lambda a: a.tmap_o, "box: 64 columns x 64 rows (one warpgroup)"),
+    Param("lse", "float*", "ptr", lambda a: a.call.lse.ptr, "(B, Hq, Sq), contiguous"),
+    Param("Sq", "int", "i32", lambda a: a.call.seq_q),
+    Param("Sk", "int", "i32", lambda a: a.call.seq_k),
+    Param("Hq", "int", "i32", lambda a: a.call.heads_q),
+    Param("batch", "int", "i32", lambda a: a.call.batch),
+    Param("m_blocks", "int", "i32", lambda a: a.m_blocks, "query blocks per (batch, head)"),
+    Param("scale_log2", "float", "f32", lambda a: a.call.softmax_scale * LOG2E,
+          "softmax_scale * log2(e): exp2 replaces exp with the scale folded in"),
+])
+
+
+def smem_bytes(config: Sm90Config, head_dim: int, q_buffers: int = 1) -> int:
+    """flash_fwd_sm90.cuh's SMEM_BYTES: 1 KB of alignment slack, the Q tiles and the K and V rings,
+    every row padded to whole 64-column chunks."""
+    chunks = -(-head_dim // 64)
+    return 1024 + chunks * 128 * (q_buffers * config.block_m + 2 * config.num_stages * config.block_n)
+
+
+@functools.lru_cache(maxsize=None)
+def _preferences() -> dict[tuple[int, str], list[Sm90Config]]:
+    """(head dim, mask) -> configs in order of preference, from tile_defaults.yaml."""
+    table = yaml.safe_load((FOLDER / "tile_defaults.yaml").read_text())
+    return {(int(d), mask): [Sm90Config.from_label(label) for label in labels]
+            for d, per_mask in table.items() for mask, labels in per_mask.items()}
+
+
+class Sm90Forward(KernelFamily):
+    name = "fwd_sm90"
+    description = "Hopper forward: wgmma, TMA ring, producer/consumer warpgroups (sm_90a only)"
+    folder = FOLDER
+    config_fields = {"block_n": BLOCK_NS, "consumers": CONSUMERS, "num_stages": NUM_STAGES,
+                     "overlap": (True, False), "pingpong": (True, False), "persistent": (True, False)}
+
+    def supports(self, problem: Problem, target: Target) -> str | None:
+        if target.cc != 90:
+            return f"needs sm_90a (H100, H200): wgmma and setmaxnreg do not exist on {target.name}"
+        if problem.head_dim not in HEAD_DIMS:
+            return f"head_dim {problem.head_dim} is not one of {HEAD_DIMS}"
+        if problem.mask not in MASKS:
+            return f"mask {problem.mask!r} is not lowered for this family"
+        return None
+
+    def check_config(self, config: Mapping[str, Any]) -> list[str]:
+        problems = super().check_config(config)
+        if not problems and config.get("pingpong") and config.get("consumers") == 1:
+            problems.append("config.pingpong=True is invalid with consumers=1; allowed: pingpong with 2 or 3 "
+                            "consumer warpgroups")
+        return problems
+
+    def configs(self, problem: Problem, target: Target, pinned: Mapping[str, Any] | None = None) -> list[Sm90Config]:
+        pinned = dict(pinned or {})
+        values = [(pinned[f],) if f in pinned else allowed for f, allowed in self.config_fields.items()]
+        return [Sm90Config(*combo) for combo in itertools.product(*values) if not (combo[4] and combo[1] == 1)]
+
+    def default_config(self, problem: Problem, target: Target) -> Sm90Config:
+        choices = _preferences()[problem.head_dim, "causal" if problem.causal else "none"]
+        for config in choices:
+            if smem_bytes(config, problem.head_dim) <= target.smem_per_block:
+                return config
+        return choices[-1]
+
+    def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any]) -> Sm90Config:
+        default = self.default_config(problem, target)
+        config = {f: pinned.get(f, getattr(default, f)) for f in self.config_fields}
+        if config["consumers"] == 1 and "pingpong" not in pinned:
+            config["pingpong"] = False  # nothing to take turns with
+        return Sm90Config(**config)
+
+    def plan(self, problem: Problem, target: Target, config: Sm90Config, *, fault: str | None = None) -> Sm90Plan:
+        check_fault(fault)
+        reason = self.supports(problem, target)
+        if reason is not None:
+            raise SpecError(f"family {self.name} cannot run this problem on {target.name}: {reason}", field="family")
+        if config.pingpong and config.consumers == 1:
+            raise SpecError(f"config {config.label()}: pingpong needs 2 or 3 consumer warpgroups", field="config")
+        q_buffers = 2 if smem_bytes(config, problem.head_dim, 2) <= target.smem_per_block else 1
+        smem = smem_bytes(config, problem.head_dim, q_buffers)
+        if smem > target.smem_per_block:
+            raise SpecError(
+                f"config {config.label()} needs {smem} B of shared memory (the {config.block_m}-row Q tile and "
+                f"{config.num_stages} stages of {config.block_n}-row K and V tiles, rows padded to 64 columns); "
+                f"{target.name} allows {target.smem_per_block} B: lower num_stages or block_n", field="config")
+        name = self.plan_name(problem, target, config, fault)
+        threads = 128 * (config.consumers + 1)
+        producer_regs, consumer_regs = REGISTERS[config.consumers]
+        return Sm90Plan(
+            family=self.name, name=name, problem=problem, target=target, config=config,
+            kernels=(KernelPlan(name, threads, smem, ARGUMENTS),), block_m=config.block_m, block_n=config.block_n,
+            fault=fault, consumers=config.consumers, num_stages=config.num_stages, q_buffers=q_buffers,
+            overlap=config.overlap, pingpong=config.pingpong, persistent=config.persistent, threads=threads, smem_bytes=smem, producer_regs=producer_regs,
+            consumer_regs=consumer_regs, mask=get_mask(problem.mask))
+
+    def render(self, plan: Sm90Plan) -> str:
+        return codegen.render(FOLDER, "fwd_sm90.cu.j2", plan=plan, abi=ARGUMENTS, qk_n=plan.block_n,
+                              pv_n=plan.head_dim, ptx_type="bf16" if plan.dtype == "bf16" else "f16")
+
+    def accepts(self, plan: Sm90Plan, call: ForwardCall) -> str | None:
+        itemsize = get_dtype(plan.dtype).itemsize
+        for t in (call.q, call.k, call.v, call.out):
+            reason = tma.describable(t.shape, t.strides, itemsize)
+            if reason is not None:
+                return f"TMA cannot describe {t.name}: {reason}"
+        return None
+
+    def launches(self, plan: Sm90Plan, call: ForwardCall) -> list[Launch]:
+        dtype = get_dtype(plan.dtype)
+
+        def tensor_map(t, rows):
+            return tma.encode(dtype.tensor_map_code, t.ptr, t.shape, t.strides, dtype.itemsize, rows)
+
+        m_blocks = math.ceil(call.seq_q / plan.block_m)
+        args = Sm90Args(call, m_blocks, tensor_map(call.q, plan.block_m), tensor_map(call.k, plan.block_n),
+                        tensor_map(call.v, plan.block_n), tensor_map(call.out, 64))
+        tiles = m_blocks * call.heads_q * call.batch
+        grid = (min(tiles, plan.target.sms or DEFAULT_SMS) if plan.persistent else tiles, 1, 1)
+        return [Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, ARGUMENTS.pack(args))]
+
+    def estimate(self, plan, report, gpu, shape):
+        from attngen.families.fwd_sm90.estimate import estimate
+
+        return estimate(plan, report, gpu, shape)
+
+
+FAMILY = Sm90Forward()

@@ -1,0 +1,402 @@
+// ---- flash_fwd_sm90.cuh: FlashAttention forward for Hopper (sm_90a) ----
+// A CTA works through tiles (one query block of one (batch, query head) each): tile t, t + grid,
+// ... of an order that keeps each head's query blocks together, so its K/V stay in L2, longest
+// first (tile_of). A grid of one CTA per tile leaves the order to the hardware's block
+// scheduler; a grid of one CTA per SM is persistent: one tile's epilogue overlaps the next
+// one's loads (docs/perf-notes.md: which wins where). Warp specialisation: warpgroup 0 is the producer, one thread
+// of which streams Q (Q_BUFFERS deep) and the K/V blocks through a NUM_STAGES-deep ring with
+// TMA, completing on mbarriers; the ring runs on across tiles.
+// Warpgroups 1..CONSUMERS each own 64 query rows: S = Q K^T on wgmma (both operands in shared
+// memory), the online softmax in registers, O += P V on wgmma with P straight from registers.
+// OVERLAP issues S of block j+1 before the P V of block j, so the softmax of one block runs
+// under the other's GEMMs; PINGPONG makes the consumer warpgroups take turns issuing GEMMs, so
+// one's softmax runs under the other's. Key blocks the mask makes empty are never loaded;
+// blocks it makes full are never masked per element.
+// Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_N,
+// CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, SET_MAX_REGS, PRODUCER_REGS,
+// CONSUMER_REGS, IS_BF16 }, namespace mask { visible, kv_begin, kv_end, full_begin, full_end },
+// and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS).
+
+namespace fa90 {
+
+using namespace cfg;
+using Params = FwdSm90Params;
+
+#define NEG_INF (-__int_as_float(0x7f800000))
+constexpr int WG_THREADS = 128;
+constexpr int THREADS = (CONSUMERS + 1) * WG_THREADS;
+constexpr int BLOCK_M = 64 * CONSUMERS;          // query rows per CTA: 64 per consumer warpgroup
+constexpr int CHUNKS = (HEAD_DIM + 63) / 64;     // 64-column (128-byte) chunks of a row: one TMA box each
+constexpr int Q_CHUNK = BLOCK_M * 128;           // bytes of one column chunk of the Q tile
+constexpr int KV_CHUNK = BLOCK_N * 128;
+constexpr int Q_BYTES = CHUNKS * Q_CHUNK;
+constexpr int KV_BYTES = CHUNKS * KV_CHUNK;      // one K or one V stage (TMA fills out-of-bounds with zeros)
+constexpr int ALIGN = 1024;                      // a 128-byte swizzle atom: 8 rows of 128 bytes
+constexpr int SMEM_BYTES = ALIGN + Q_BUFFERS * Q_BYTES + 2 * NUM_STAGES * KV_BYTES;  // family.py smem_bytes() must agree
+constexpr int S_REGS = BLOCK_N / 2;              // fp32 scores per thread: the m64 x BLOCK_N accumulator
+constexpr int O_REGS = HEAD_DIM / 2;
+constexpr int DK = HEAD_DIM / 16;                // k16 steps of Q K^T
+constexpr int PK = BLOCK_N / 16;                 // k16 steps of P V
+constexpr int PINGPONG_BARRIER = 1;              // named barriers 1..CONSUMERS: whose turn to issue GEMMs
+constexpr int STORE_BARRIER = 1 + CONSUMERS;     // named barriers after those: one per warpgroup's epilogue
+
+static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "wgmma shapes");
+static_assert(Q_CHUNK % ALIGN == 0 && KV_CHUNK % ALIGN == 0, "every tile starts on a swizzle-atom boundary");
+
+struct Pipeline {
+    u64 q_full[Q_BUFFERS], q_empty[Q_BUFFERS];
+    u64 k_full[NUM_STAGES], k_empty[NUM_STAGES], v_full[NUM_STAGES], v_empty[NUM_STAGES];
+};
+
+// Tile t: (batch, head) pairs one after another (the query heads of one kv head together), and
+// within a pair the last query block first (under a causal mask it has the most key blocks).
+struct Tile {
+    int m_block, head, batch;
+};
+
+__device__ __forceinline__ Tile tile_of(const Params& p, int t) {
+    const int bh = t / p.m_blocks;
+    return {p.m_blocks - 1 - (t - bh * p.m_blocks), bh % p.Hq, bh / p.Hq};
+}
+
+// The key blocks one CTA visits, from the last to the first so partially masked blocks come
+// first; [full_lo, full_hi) is visible to every row of the CTA.
+struct Blocks {
+    int n_begin, n_end, full_lo, full_hi;
+    __device__ __forceinline__ int count() const { return n_end - n_begin; }
+    __device__ __forceinline__ int key0(int it) const { return (n_end - 1 - it) * BLOCK_N; }
+    __device__ __forceinline__ bool needs_mask(int it) const {
+        const int n0 = key0(it);
+        return !(n0 >= full_lo && n0 + BLOCK_N <= full_hi);
+    }
+};
+
+__device__ __forceinline__ Blocks kv_blocks(int m0, int m1, int Sq, int Sk) {
+    const int kv_lo = mask::kv_begin(m0, m1, Sq, Sk), kv_hi = mask::kv_end(m0, m1, Sq, Sk);
+    Blocks b;
+    b.n_begin = kv_lo / BLOCK_N;
+#ifdef ATTNGEN_FAULT_DROP_LAST_PARTIAL_KV_TILE
+    b.n_end = kv_hi > kv_lo ? kv_hi / BLOCK_N : b.n_begin;  // injected fault: floor drops a partial block
+#else
+    b.n_end = kv_hi > kv_lo ? (kv_hi + BLOCK_N - 1) / BLOCK_N : b.n_begin;
+#endif
+    b.full_lo = mask::full_begin(m0, m1, Sq, Sk);
+    b.full_hi = min(mask::full_end(m0, m1, Sq, Sk), Sk);  // a ragged last block is always masked
+    return b;
+}
+
+// -- producer: one thread issues every load, tile after tile --------------------------------------
+__device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ, u32 sK, u32 sV, int tiles) {
+    tma_prefetch(&p.tmap_q);
+    tma_prefetch(&p.tmap_k);
+    tma_prefetch(&p.tmap_v);
+    int g = 0;  // K/V blocks loaded so far: the ring's position runs on across tiles
+#pragma unroll 1
+    for (int j = 0, t = blockIdx.x; t < tiles; ++j, t += gridDim.x) {
+        const Tile tile = tile_of(p, t);
+        const int m0 = tile.m_block * BLOCK_M, kv_head = tile.head / GQA_RATIO;  // query head h reads kv head h // ratio
+        const Blocks b = kv_blocks(m0, min(m0 + BLOCK_M, p.Sq), p.Sq, p.Sk);
+        const int qb = j % Q_BUFFERS;
+        // The consumers free a Q buffer once its tile's output, staged there, has been stored.
+        mbar_wait(smem_u32(&pipe.q_empty[qb]), ((j / Q_BUFFERS) & 1) ^ 1);
+        const u32 q_full = smem_u32(&pipe.q_full[qb]);
+        mbar_expect_tx(q_full, Q_BYTES);
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c)
+            tma_load(sQ + qb * Q_BYTES + c * Q_CHUNK, &p.tmap_q, q_full, c * 64, m0, tile.head, tile.batch);
+#pragma unroll 1
+        for (int it = 0; it < b.count(); ++it, ++g) {
+            const int stage = g % NUM_STAGES;
+            const u32 phase = (g / NUM_STAGES) & 1;
+            const int n0 = b.key0(it);
+            // Wait until every consumer has released this stage's previous block.
+            mbar_wait(smem_u32(&pipe.k_empty[stage]), phase ^ 1);
+            const u32 k_full = smem_u32(&pipe.k_full[stage]);
+            mbar_expect_tx(k_full, KV_BYTES);
+#pragma unroll
+            for (int c = 0; c < CHUNKS; ++c)
+                tma_load(sK + stage * KV_BYTES + c * KV_CHUNK, &p.tmap_k, k_full, c * 64, n0, kv_head, tile.batch);
+            mbar_wait(smem_u32(&pipe.v_empty[stage]), phase ^ 1);
+            const u32 v_full = smem_u32(&pipe.v_full[stage]);
+            mbar_expect_tx(v_full, KV_BYTES);
+#pragma unroll
+            for (int c = 0; c < CHUNKS; ++c)
+                tma_load(sV + stage * KV_BYTES + c * KV_CHUNK, &p.tmap_v, v_full, c * 64, n0, kv_head, tile.batch);
+        }
+    }
+}
+
+// -- consumer pieces ---------------------------------------------------------------------------------
+// S = Q K^T for this warpgroup's 64 rows: K-major operands, 32 bytes per k16 step within a chunk.
+__device__ __forceinline__ void issue_qk(float (&s)[S_REGS], u32 q_rows, u32 k_tile) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DK; ++kk) {
+        const u64 a = smem_desc(q_rows + (kk / 4) * Q_CHUNK + (kk % 4) * 32, 16, 1024);
+        const u64 b = smem_desc(k_tile + (kk / 4) * KV_CHUNK + (kk % 4) * 32, 16, 1024);
+        wgmma_qk(s, a, b, kk > 0);  // the first step overwrites S
+    }
+    wgmma_commit();
+}
+
+// O += P V: V is the MN-major B operand; 16 keys are 2048 bytes, the head-dim chunks KV_CHUNK apart.
+__device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&pf)[PK][4], u32 v_tile) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < PK; ++kk) wgmma_pv(o, pf[kk], smem_desc(v_tile + kk * 2048, KV_CHUNK, 1024));
+    wgmma_commit();
+}
+
+// Accumulator element i of this thread: row +8 when bit 1 of i is set, column 8 (i / 4) + 2 (lane % 4) + (i % 2).
+__device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0, int Sq, int Sk, int lane) {
+    const int k0 = n0 + 2 * (lane % 4);
+#pragma unroll
+    for (int i = 0; i < S_REGS; ++i) {
+        const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
+        if (!(k < Sk && mask::visible(q, k, Sq, Sk))) s[i] = NEG_INF;
+    }
+}
+
+// Online softmax in the log2 domain, in place: S becomes exp2(scaled S - max); alpha rescales what
+// was accumulated under the old max. A row whose max is still -inf uses 0 as its reference, so
+// exp2 gives 0 rather than NaN.
+__device__ __forceinline__ void softmax_step(float (&s)[S_REGS], float (&row_max)[2], float (&row_sum)[2],
+                                             float (&alpha)[2], float scale_log2) {
+    float ref[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int c = 0; c < S_REGS / 4; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
+        mx = fmaxf(row_max[h], quad_max(mx) * scale_log2);  // scale > 0: the max of scaled scores
+        ref[h] = mx == NEG_INF ? 0.f : mx;
+        alpha[h] = fast_exp2(row_max[h] - ref[h]);
+        row_max[h] = mx;
+    }
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < S_REGS; ++i) {
+        s[i] = fast_exp2(fmaf(s[i], scale_log2, -ref[(i >> 1) & 1]));
+        sum[(i >> 1) & 1] += s[i];  // per-thread partials in fp32; reduced across the quad at the end
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * alpha[h] + sum[h];
+}
+
+__device__ __forceinline__ void rescale(float (&o)[O_REGS], const float (&alpha)[2]) {
+#pragma unroll
+    for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[(i >> 1) & 1];
+}
+
+// The accumulator layout of two n8 column groups is the A-operand layout of one k16 step.
+__device__ __forceinline__ void to_operand(u32 (&pf)[PK][4], const float (&s)[S_REGS]) {
+#pragma unroll
+    for (int kk = 0; kk < PK; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) pf[kk][j] = pack2<IS_BF16>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+    }
+}
+
+// Pingpong: a warpgroup issues its GEMMs only after the previous one has issued its own.
+struct Turns {
+    int wg;
+    __device__ __forceinline__ void begin() const {
+        if constexpr (PINGPONG) named_sync(PINGPONG_BARRIER + wg, 2 * WG_THREADS);
+    }
+    // The last warpgroup's last hand-over would wait for nobody: it is skipped.
+    __device__ __forceinline__ void end(bool last) const {
+        if constexpr (PINGPONG) {
+            if (!(last && wg == CONSUMERS - 1)) named_arrive(PINGPONG_BARRIER + (wg + 1) % CONSUMERS, 2 * WG_THREADS);
+        }
+    }
+};
+
+// Whether this CTA has a tile after tile t with key blocks to visit (its GEMM turns are not over).
+__device__ __forceinline__ bool more_work(const Params& p, int t, int tiles) {
+    for (t += gridDim.x; t < tiles; t += gridDim.x) {
+        const int m0 = tile_of(p, t).m_block * BLOCK_M;
+        if (kv_blocks(m0, min(m0 + BLOCK_M, p.Sq), p.Sq, p.Sk).count() > 0) return true;
+    }
+    return false;
+}
+
+// One tile of one consumer warpgroup: g is the ring position of its first K/V block.
+__device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u32 q_tile, u32 sK, u32 sV,
+                                             const Blocks& b, const Tile& tile, int g, bool last_turns, int wg) {
+    const int tid = threadIdx.x % WG_THREADS, warp = tid / 32, lane = tid % 32;
+    const int m0 = tile.m_block * BLOCK_M;
+    const int row0 = m0 + wg * 64 + warp * 16 + lane / 4;  // this thread's rows: row0 and row0 + 8
+    const u32 q_rows = q_tile + wg * 64 * 128;             // this warpgroup's rows of every Q chunk
+    const int n = b.count();
+    const Turns turns{wg};
+    float o[O_REGS], s[S_REGS], alpha[2];
+    u32 pf[PK][4];
+    float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
+    auto k_tile = [&](int it) { return sK + ((g + it) % NUM_STAGES) * KV_BYTES; };
+    auto v_tile = [&](int it) { return sV + ((g + it) % NUM_STAGES) * KV_BYTES; };
+    auto wait_k = [&](int it) {
+        mbar_wait(smem_u32(&pipe.k_full[(g + it) % NUM_STAGES]), ((g + it) / NUM_STAGES) & 1);
+    };
+    auto wait_v = [&](int it) {
+        mbar_wait(smem_u32(&pipe.v_full[(g + it) % NUM_STAGES]), ((g + it) / NUM_STAGES) & 1);
+    };
+    // One thread per warpgroup releases a stage: the wgmma that read it has completed for all four warps.
+    auto release_k = [&](int it) { if (tid == 0) mbar_arrive(smem_u32(&pipe.k_empty[(g + it) % NUM_STAGES])); };
+    auto release_v = [&](int it) { if (tid == 0) mbar_arrive(smem_u32(&pipe.v_empty[(g + it) % NUM_STAGES])); };
+
+    if (n > 0) {
+        if constexpr (OVERLAP) {
+            // Block 0's scores, then each step issues S(it) and P(it-1) V(it-1) together and runs
+            // the softmax of block it while P V runs.
+            wait_k(0);
+            turns.begin();
+            issue_qk(s, q_rows, k_tile(0));
+            turns.end(false);
+            wgmma_wait<0>();
+            fence_regs(s);
+            release_k(0);
+            if (b.needs_mask(0)) apply_mask(s, row0, b.key0(0), p.Sq, p.Sk, lane);
+            softmax_step(s, row_max, row_sum, alpha, p.scale_log2);
+            to_operand(pf, s);
+#pragma unroll 1
+            for (int it = 1; it < n; ++it) {
+                wait_k(it);
+                turns.begin();
+                issue_qk(s, q_rows, k_tile(it));
+                wait_v(it - 1);
+                issue_pv(o, pf, v_tile(it - 1));
+                turns.end(false);
+                wgmma_wait<1>();  // S(it) is done; P V may still run
+                fence_regs(s);
+                release_k(it);
+                if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), p.Sq, p.Sk, lane);
+                softmax_step(s, row_max, row_sum, alpha, p.scale_log2);
+                wgmma_wait<0>();  // P V is done: O and P may change
+                fence_regs(o);
+                release_v(it - 1);
+                rescale(o, alpha);
+                to_operand(pf, s);
+            }
+            wait_v(n - 1);
+            turns.begin();
+            issue_pv(o, pf, v_tile(n - 1));
+            turns.end(last_turns);
+            wgmma_wait<0>();
+            fence_regs(o);
+            release_v(n - 1);
+        } else {
+#pragma unroll 1
+            for (int it = 0; it < n; ++it) {
+                wait_k(it);
+                turns.begin();
+                issue_qk(s, q_rows, k_tile(it));
+                turns.end(false);
+                wgmma_wait<0>();
+                fence_regs(s);
+                release_k(it);
+                if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), p.Sq, p.Sk, lane);
+                softmax_step(s, row_max, row_sum, alpha, p.scale_log2);
+                rescale(o, alpha);
+                to_operand(pf, s);
+                wait_v(it);
+                turns.begin();
+                issue_pv(o, pf, v_tile(it));
+                turns.end(last_turns && it == n - 1);
+                wgmma_wait<0>();
+                fence_regs(o);
+                release_v(it);
+            }
+        }
+    }
+
+    // Epilogue: normalise, write the LSE, stage O in this warpgroup's rows of the tile's Q buffer
+    // (its wgmmas are done) in the TMA's swizzled layout, and store it with TMA, which drops rows
+    // past Sq.
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float sum = quad_sum(row_sum[h]);
+        inv[h] = sum > 0.f ? 1.f / sum : 0.f;  // a row with no visible key: output 0, LSE -inf
+        const int q = row0 + 8 * h;
+        if (lane % 4 == 0 && q < p.Sq)
+            p.lse[((i64)tile.batch * p.Hq + tile.head) * p.Sq + q] =
+                sum > 0.f ? (row_max[h] + log2f(sum)) * 0.69314718055994530942f : NEG_INF;
+    }
+#pragma unroll
+    for (int j = 0; j < O_REGS / 2; ++j) {
+        const int h = j & 1, r = warp * 16 + lane / 4 + 8 * h, col = 8 * (j >> 1) + 2 * (lane % 4);
+        const u32 unit = ((col % 64) / 8) ^ (r % 8);  // the 128-byte swizzle: 16-byte unit XOR row within 8
+        const u32 addr = q_rows + (col / 64) * Q_CHUNK + r * 128 + unit * 16 + (col % 8) * 2;
+        const u32 packed = pack2<IS_BF16>(o[2 * j] * inv[h], o[2 * j + 1] * inv[h]);
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(packed) : "memory");
+    }
+    fence_async_smem();
+    named_sync(STORE_BARRIER + wg, WG_THREADS);
+    if (tid == 0) {
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c)
+            tma_store(&p.tmap_o, q_rows + c * Q_CHUNK, c * 64, m0 + wg * 64, tile.head, tile.batch);
+        tma_store_commit();
+        tma_store_wait_read();
+    }
+}
+
+__device__ __forceinline__ void consume(const Params& p, Pipeline& pipe, u32 sQ, u32 sK, u32 sV, int tiles, int wg) {
+    const int tid = threadIdx.x % WG_THREADS;
+    if constexpr (PINGPONG) {
+        // The first warpgroup goes first (when the CTA has GEMMs to issue at all).
+        if (wg == CONSUMERS - 1 && more_work(p, static_cast<int>(blockIdx.x) - static_cast<int>(gridDim.x), tiles))
+            named_arrive(PINGPONG_BARRIER, 2 * WG_THREADS);
+    }
+    int g = 0;  // K/V blocks consumed so far
+#pragma unroll 1
+    for (int j = 0, t = blockIdx.x; t < tiles; ++j, t += gridDim.x) {
+        const Tile tile = tile_of(p, t);
+        const int m0 = tile.m_block * BLOCK_M;
+        const Blocks b = kv_blocks(m0, min(m0 + BLOCK_M, p.Sq), p.Sq, p.Sk);
+        const int qb = j % Q_BUFFERS;
+        mbar_wait(smem_u32(&pipe.q_full[qb]), (j / Q_BUFFERS) & 1);
+        const bool last_turns = PINGPONG && b.count() > 0 && !more_work(p, t, tiles);
+        consume_tile(p, pipe, sQ + qb * Q_BYTES, sK, sV, b, tile, g, last_turns, wg);
+        g += b.count();
+        // This warpgroup's output has left the Q buffer: the producer may refill it.
+        if (tid == 0) mbar_arrive(smem_u32(&pipe.q_empty[qb]));
+    }
+}
+
+__device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    __shared__ Pipeline pipe;
+    // Swizzled tiles must start on 1024-byte boundaries: align the base (SMEM_BYTES has the slack).
+    const u32 sQ = (smem_u32(smem_raw) + ALIGN - 1) & ~static_cast<u32>(ALIGN - 1);
+    const u32 sK = sQ + Q_BUFFERS * Q_BYTES, sV = sK + NUM_STAGES * KV_BYTES;
+    const int tiles = p.m_blocks * p.Hq * p.batch;
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int q = 0; q < Q_BUFFERS; ++q) {
+            mbar_init(smem_u32(&pipe.q_full[q]), 1);
+            mbar_init(smem_u32(&pipe.q_empty[q]), CONSUMERS);
+        }
+#pragma unroll
+        for (int s = 0; s < NUM_STAGES; ++s) {
+            mbar_init(smem_u32(&pipe.k_full[s]), 1);
+            mbar_init(smem_u32(&pipe.v_full[s]), 1);
+            mbar_init(smem_u32(&pipe.k_empty[s]), CONSUMERS);
+            mbar_init(smem_u32(&pipe.v_empty[s]), CONSUMERS);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+    const int wg = threadIdx.x / WG_THREADS;
+    if (wg == 0) {
+        if constexpr (SET_MAX_REGS) regs_dealloc<PRODUCER_REGS>();
+        if (threadIdx.x == 0) produce(p, pipe, sQ, sK, sV, tiles);
+    } else {
+        if constexpr (SET_MAX_REGS) regs_alloc<CONSUMER_REGS>();
+        consume(p, pipe, sQ, sK, sV, tiles, wg - 1);
+    }
+}
+
+}  // namespace fa90

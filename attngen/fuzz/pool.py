@@ -1,0 +1,140 @@
+"""The specs a fuzz run draws from, asked of the kernel families: the built-in pool and random specs.
+
+The built-in pool for a target (the GPU the runner compiles for):
+  - for each problem of PROBLEMS (every head dim, both dtypes, both masks, GQA ratios 1, 2 and
+    4, an explicit softmax_scale) and each registered family that supports it on the target, a
+    spec pinned to that family, with the family's default config;
+  - EXTRA_CONFIGS non-default configs per family, on problems spread over PROBLEMS, each taken
+    from family.configs() among those the family plans on the target: the one that adds the most
+    the pool lacks so far (`variety`: config values, and the on/off choices the plan derives;
+    ties broken by a fixed seed): 1 and 3 stages, narrow and wide tiles, one and two m-tiles per
+    warp, Q re-read from shared memory, and the like.
+Every spec file in specs/ has its problem in PROBLEMS, so the kernels the spec files make are in
+the pool too (tests/test_fuzz_pool.py checks). A compile costs seconds, so the pool is small and
+fixed; hypothesis shrinks towards its first spec, a problem without a mask.
+
+Random specs (`--random-specs`): a random problem, a random family that supports it on the
+target, and three times in four a random config of that family that plans on the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from attngen import families
+from attngen.dtypes import DTYPES
+from attngen.errors import SpecError
+from attngen.families.base import Config, KernelFamily, Plan
+from attngen.masks import MASKS
+from attngen.spec import HEAD_DIMS, AttentionSpec, Problem
+from attngen.targets import Target
+
+PROBLEMS = (
+    Problem(64, "fp16"),
+    Problem(64, "bf16", gqa_ratio=2, mask="causal"),
+    Problem(128, "fp16"),
+    Problem(128, "bf16", gqa_ratio=4, mask="causal"),
+    Problem(96, "bf16", mask="causal"),
+    Problem(256, "bf16", mask="causal"),
+    Problem(256, "fp16", gqa_ratio=2),
+    Problem(96, "bf16"),
+    Problem(64, "fp16", gqa_ratio=4, mask="causal", softmax_scale=0.0625),
+)
+EXTRA_CONFIGS = 3  # non-default configs per family
+RANDOM_GQA_RATIOS = (1, 2, 3, 4, 8)
+RANDOM_SOFTMAX_SCALES = (0.03125, 0.1, 0.5)
+RANDOM_TRIES = 10_000  # draws before random_spec gives up on a target no family can run anything on
+
+
+def pinned_spec(problem: Problem, family: KernelFamily, config: Config | None = None) -> AttentionSpec:
+    """The spec of `problem` pinned to `family` (and to all of `config`, when given)."""
+    return AttentionSpec(**dataclasses.asdict(problem), family=family.name,
+                         config=None if config is None else config.to_dict())
+
+
+def plan_or_none(spec: AttentionSpec, target: Target) -> Plan | None:
+    """The dispatcher's plan of `spec` on `target`; None when the family cannot build it there (a
+    config the target's shared memory cannot hold, say)."""
+    try:
+        return families.plan_spec(spec, target)
+    except SpecError:
+        return None
+
+
+def builtin_specs(target: Target) -> tuple[AttentionSpec, ...]:
+    """The built-in pool for `target` (module docstring): defaults first, then each family's extras."""
+    defaults = [spec for problem in PROBLEMS for family in families.supporting(problem, target)
+                if plan_or_none(spec := pinned_spec(problem, family), target) is not None]
+    extras = [spec for family in families.FAMILIES.values() for spec in _extra_specs(family, target)]
+    return tuple(dict.fromkeys(defaults + extras))
+
+
+def variety(plan: Plan) -> set:
+    """What a plan exercises that another may not: its config values, and the on/off choices the
+    family derives from them (Q in registers or re-read from shared memory, say)."""
+    return set(plan.config.to_dict().items()) | {(name, value) for name, value in plan.choices().items()
+                                                  if isinstance(value, bool)}
+
+
+def _extra_specs(family: KernelFamily, target: Target) -> list[AttentionSpec]:
+    supported = [p for p in PROBLEMS if family.supports(p, target) is None]
+    defaults = [plan_or_none(pinned_spec(p, family), target) for p in supported]
+    covered = set().union(*(variety(plan) for plan in defaults if plan is not None))
+    rng = random.Random(f"attngen-fuzz-pool-{family.name}-{target.name}")
+    chosen: list[AttentionSpec] = []
+    for i in range(EXTRA_CONFIGS if supported else 0):
+        problem = supported[i * len(supported) // EXTRA_CONFIGS]
+        default = family.resolve_config(problem, target, {})
+        candidates = []
+        for config in family.configs(problem, target):
+            if config == default:
+                continue
+            try:
+                spec = pinned_spec(problem, family, config)
+            except SpecError:  # a config the family's own check refuses: not one to fuzz
+                continue
+            plan = plan_or_none(spec, target)
+            if plan is not None and spec not in chosen:
+                candidates.append((variety(plan), spec))
+        if not candidates:
+            continue
+        rng.shuffle(candidates)  # ties go to a fixed but arbitrary candidate
+        values, spec = max(candidates, key=lambda c: len(c[0] - covered))
+        covered |= values
+        chosen.append(spec)
+    return chosen
+
+
+def random_spec(rng: random.Random, target: Target) -> AttentionSpec:
+    """A random problem, pinned to a random family that supports it on `target`, three times in four
+    with a random config of that family; always one the dispatcher plans on `target`."""
+    for _ in range(RANDOM_TRIES):
+        problem = Problem(head_dim=rng.choice(HEAD_DIMS), dtype=rng.choice(sorted(DTYPES)),
+                          gqa_ratio=rng.choice(RANDOM_GQA_RATIOS), mask=rng.choice(sorted(MASKS)),
+                          softmax_scale=rng.choice(RANDOM_SOFTMAX_SCALES) if rng.random() < 0.25 else None)
+        supporting = families.supporting(problem, target)
+        if not supporting:
+            continue
+        family = rng.choice(supporting)
+        config = rng.choice(family.configs(problem, target)) if rng.random() < 0.75 else None
+        try:
+            spec = pinned_spec(problem, family, config)
+        except SpecError:
+            continue
+        if plan_or_none(spec, target) is not None:  # the target must hold the config (shared memory, say)
+            return spec
+    raise ValueError(f"no kernel family plans a random problem on {target.name} in {RANDOM_TRIES} draws; "
+                     f"families: {', '.join(families.FAMILIES)}")
+
+
+def random_spec_pool(seed: int, count: int, target: Target) -> tuple[AttentionSpec, ...]:
+    """`count` distinct random specs for `target`, the same for the same seed. A pool (not a spec per
+    case) keeps the number of compiles bounded; hypothesis still shrinks towards the pool's first spec."""
+    rng = random.Random(f"attngen-random-specs-{seed}")
+    pool: dict[AttentionSpec, None] = {}
+    for _ in range(100 * count):
+        if len(pool) == count:
+            break
+        pool[random_spec(rng, target)] = None
+    return tuple(pool)

@@ -1,0 +1,132 @@
+"""The front door without a GPU: the torch op's fake implementation, torch.compile tracing, the
+specless spec key, and the errors a user sees."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import attngen
+from attngen.api import _spec_key
+from attngen.errors import MissingDependency, require_cupy
+from attngen.spec import HEAD_DIMS, AttentionSpec
+
+attngen.register()  # torch.ops.attngen.* exist once registered (automatic when torch is imported first)
+
+
+def fake_inputs(B=2, Sq=100, Sk=50, Hq=8, Hkv=2, D=64, dtype=torch.bfloat16):
+    q = torch.empty(B, Sq, Hq, D, dtype=dtype, device="cuda")
+    k = torch.empty(B, Sk, Hkv, D, dtype=dtype, device="cuda")
+    return q, k, torch.empty_like(k)
+
+
+def test_fake_implementation_gives_shapes_and_dtypes():
+    with FakeTensorMode():
+        q, k, v = fake_inputs()
+        out, lse = torch.ops.attngen.forward(q, k, v, AttentionSpec(head_dim=64, gqa_ratio=4).key(), None)
+        assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device and out.is_contiguous()
+        assert lse.shape == (2, 8, 100) and lse.dtype == torch.float32
+        # A transposed (BHSD-stored) q still gives a contiguous BSHD output.
+        qt = torch.empty(2, 8, 100, 64, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+        out, _ = torch.ops.attngen.forward(qt, k, v, AttentionSpec(head_dim=64, gqa_ratio=4).key(), 0.5)
+        assert out.shape == qt.shape and out.is_contiguous()
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(gqa_ratio=2), "gqa_ratio=2 needs Hq == gqa_ratio \\* Hkv"),
+    (dict(head_dim=128), "head_dim 64 .* spec's head_dim is 128"),
+    (dict(dtype="fp16"), "dtype bfloat16, but the spec's dtype is fp16"),
+])
+def test_fake_implementation_checks_the_inputs(change, match):
+    with FakeTensorMode():
+        q, k, v = fake_inputs()
+        spec = AttentionSpec(**{"head_dim": 64, "gqa_ratio": 4, **change})
+        with pytest.raises(ValueError, match=match):
+            torch.ops.attngen.forward(q, k, v, spec.key(), None)
+
+
+def test_fullgraph_compile_traces_one_op_and_no_graph_break():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def layer(q, k, v):
+        return attngen.attention(q, k, v, mask="causal") * 2
+
+    def pinned(q, k, v, spec):
+        return attngen.attention(q, k, v, spec, return_lse=True)
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = fake_inputs()
+        out = torch.compile(layer, backend=backend, fullgraph=True)(q, k, v)
+        assert out.shape == q.shape
+        o, lse = torch.compile(pinned, backend=backend, fullgraph=True)(q, k, v, AttentionSpec(head_dim=64, gqa_ratio=4))
+        assert o.shape == q.shape and lse.shape == (2, 8, 100)
+    assert len(graphs) == 2  # fullgraph: one graph per function, no breaks
+    ops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "attngen" in str(n.target)]
+    assert len(ops) == 1 and "causal" in str(ops[0].args[3])
+
+
+@settings(max_examples=60, deadline=None)
+@given(d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+       hkv=st.integers(1, 4), ratio=st.integers(1, 8), mask=st.sampled_from(["none", "causal"]))
+def test_specless_key_is_the_specs_canonical_key(d, dtype, hkv, ratio, mask):
+    q = torch.empty(1, 3, hkv * ratio, d, dtype=dtype, device="meta")
+    k = torch.empty(1, 5, hkv, d, dtype=dtype, device="meta")
+    expected = AttentionSpec(head_dim=d, dtype={torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype],
+                             gqa_ratio=ratio, mask=mask)
+    assert _spec_key(q, k, None, mask) == expected.key()
+    assert AttentionSpec.from_key(_spec_key(q, k, None, mask)) == expected
+
+
+@pytest.mark.parametrize("q_shape, k_shape, kwargs, match", [
+    ((1, 4, 2, 80), (1, 4, 2, 80), {}, r"q has head_dim 80 .*allowed: \(64, 96, 128, 256\)"),
+    ((1, 4, 3, 64), (1, 4, 2, 64), {}, "q has 3 heads and k has 2; allowed: heads_q a multiple"),
+    ((1, 4, 2, 64), (1, 4, 2, 64), {"mask": "sliding"}, "mask='sliding' is invalid; allowed: none, causal"),
+    ((4, 2, 64), (1, 4, 2, 64), {}, "q must have 4 dims"),
+])
+def test_specless_calls_name_the_bad_argument(q_shape, k_shape, kwargs, match):
+    q = torch.empty(q_shape, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(k_shape, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match=match):
+        _spec_key(q, k, None, kwargs.get("mask"))
+
+
+def test_user_mistakes_are_clear_errors():
+    q = torch.randn(1, 4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="q must be a CUDA tensor, got device cpu"):
+        attngen.attention(q, q, q)
+    with pytest.raises(ValueError, match="mask='none' conflicts with the spec's mask='causal'"):
+        attngen.attention(q, q, q, AttentionSpec(head_dim=64, mask="causal"), mask="none")
+    with pytest.raises(ValueError, match="spec must be an attngen.AttentionSpec or None, got dict"):
+        attngen.attention(q, q, q, {"head_dim": 64})
+    with pytest.raises(ValueError, match="q, k or v requires grad"):
+        attngen.attention(q.requires_grad_(), q, q)
+    with pytest.raises(ValueError, match="dtype float32; allowed: float16, bfloat16"):
+        attngen.attention(torch.randn(1, 4, 2, 64), torch.randn(1, 4, 2, 64), torch.randn(1, 4, 2, 64))
+
+
+def test_missing_cupy_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(MissingDependency, match=r'pip install "attngen\[cuda13\]"'):
+        require_cupy()
+
+
+def test_importing_attngen_needs_neither_torch_nor_cupy():
+    code = "import sys, attngen, attngen.cli; assert 'torch' not in sys.modules and 'cupy' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_docstring_documents_the_contract():
+    doc = attngen.attention.__doc__
+    for phrase in ("(batch, seq_q, heads_q, head_dim)", "bottom-right", "float32 (batch, heads_q, seq_q)",
+                   "lse -inf", "torch.compile(fullgraph=True)", "Raises:"):
+        assert phrase in doc

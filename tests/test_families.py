@@ -1,0 +1,144 @@
+"""Every kernel family keeps the protocol (attngen/families/base.py); the Hopper family's binary
+holds the instructions it is written for. No GPU needed."""
+
+from __future__ import annotations
+
+import dataclasses
+import pytest
+
+from attngen import targets
+from attngen.build import nvcc
+from attngen.errors import SpecError
+from attngen.families import FAMILIES, get_family, plan_spec, supporting
+from attngen.spec import AttentionSpec
+from attngen.tune.model import Shape, gpu_model
+
+H100 = targets.target("sm_90")
+FAMILY_NAMES = list(FAMILIES)
+
+
+def _home(family):
+    """A target the family runs on."""
+    return next(targets.target(a) for a in ("sm_90", "sm_80")
+                if family.supports(AttentionSpec(head_dim=128).problem, targets.target(a)) is None)
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_default_config_is_in_the_space_and_plans(name):
+    family = get_family(name)
+    target = _home(family)
+    for d in (64, 96, 128, 256):
+        for mask in ("none", "causal"):
+            problem = AttentionSpec(head_dim=d, mask=mask).problem
+            default = family.default_config(problem, target)
+            assert default in family.configs(problem, target)
+            plan = family.plan(problem, target, default)
+            assert plan.family == name and plan.config == default and plan.target == target
+            assert plan.kernels and all(k.smem_bytes <= target.smem_per_block for k in plan.kernels)
+            assert type(default).from_label(default.label()) == default
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_pinned_fields_narrow_the_space_and_survive_resolution(name):
+    family = get_family(name)
+    target = _home(family)
+    problem = AttentionSpec(head_dim=128, mask="causal").problem
+    default = family.default_config(problem, target)
+    field, value = next(iter(dataclasses.asdict(default).items()))
+    space = family.configs(problem, target, {field: value})
+    assert space and all(getattr(c, field) == value for c in space)
+    assert len(space) < len(family.configs(problem, target))
+    assert getattr(family.resolve_config(problem, target, {field: value}), field) == value
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_check_config_names_field_value_and_allowed(name):
+    family = get_family(name)
+    assert family.check_config({}) == []
+    (problem,) = family.check_config({"no_such_field": 1})
+    assert "no_such_field" in problem and "allowed" in problem
+    field, allowed = next(iter(family.config_fields.items()))
+    bad = "x" if not isinstance(allowed[0], str) else 12345
+    (problem,) = family.check_config({field: bad})
+    assert f"config.{field}={bad!r} is invalid; allowed:" in problem
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_names_are_unique_and_renders_deterministic(name):
+    family = get_family(name)
+    target = _home(family)
+    problem = AttentionSpec(head_dim=64).problem
+    plans = []
+    for config in family.configs(problem, target)[:40]:
+        try:
+            plans.append(family.plan(problem, target, config))
+        except SpecError:
+            continue
+    assert len({p.name for p in plans}) == len(plans) > 1
+    assert family.render(plans[0]) == family.render(plans[0])
+    assert plans[0].name in family.render(plans[0])
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_estimate_ranks_a_plan(name):
+    family = get_family(name)
+    target = _home(family)
+    plan = plan_spec(AttentionSpec(head_dim=128, mask="causal", family=name), target)
+    report = nvcc.ResourceReport(plan.name, target.name, registers=168, smem_static_bytes=0, stack_frame_bytes=0,
+                                 spill_store_bytes=0, spill_load_bytes=0, smem_dynamic_bytes=plan.kernels[0].smem_bytes)
+    est = family.estimate(plan, report, gpu_model(target), Shape(batch=2, seqlen_q=4096, seqlen_k=4096, heads_q=16))
+    assert 0 < est.ms < 1e3 and est.ctas >= 1
+
+
+def test_preference_order_puts_the_hopper_family_first_on_h100():
+    problem = AttentionSpec(head_dim=128).problem
+    assert [f.name for f in supporting(problem, H100)] == ["fwd_sm90", "fwd_sm80"]
+
+
+def test_sm90_config_rules():
+    family = get_family("fwd_sm90")
+    assert "pingpong=True is invalid with consumers=1" in family.check_config({"pingpong": True, "consumers": 1})[0]
+    with pytest.raises(SpecError, match="needs .* shared memory"):
+        AttentionSpec(head_dim=256, family="fwd_sm90", config={"block_n": 192, "num_stages": 4}).name
+
+
+CUOBJDUMP = nvcc.find_cuobjdump()
+
+
+@pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
+@pytest.mark.parametrize("d, mask", [(64, "none"), (128, "causal"), (256, "causal")])
+def test_sm90_binary_is_built_of_wgmma_and_tma(tmp_path, d, mask):
+    plan = plan_spec(AttentionSpec(head_dim=d, mask=mask, family="fwd_sm90"), H100)
+    cubin = tmp_path / "k.cubin"
+    report = nvcc.check_plan(plan, keep_cubin=cubin)
+    assert report.spill_bytes == 0 and report.stack_frame_bytes == 0, report.log
+    for warning in ("C7508", "C7510", "C7515", "serialized"):  # setmaxnreg ignored, wgmma serialised
+        assert warning not in report.log, report.log
+    if CUOBJDUMP is None:
+        pytest.skip("cuobjdump not on PATH: the SASS is not checked here (CI installs it)")
+    sass = nvcc.sass(cubin)
+    for instruction in ("HGMMA.64x", "UTMALDG.4D", "UTMASTG.4D", "USETMAXREG", "SYNCS.ARRIVE.TRANS64"):
+        assert instruction in sass, f"{plan.name}: no {instruction} in its SASS"
+    assert "LDL" not in sass and "STL" not in sass, "local memory traffic in the Hopper kernel"
+
+
+def _nvrtc():
+    try:
+        from attngen.build.compiler import nvrtc_version
+
+        nvrtc_version()
+        return True
+    except Exception:  # noqa: BLE001 - CuPy or libnvrtc missing: the test says so
+        return False
+
+
+@pytest.mark.skipif(not _nvrtc(), reason="NVRTC (CuPy + libnvrtc) not available")
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_the_runtime_compiler_builds_every_default(name):
+    from attngen.build.compiler import NVRTC_OPTIONS, nvrtc_compile
+
+    family = get_family(name)
+    target = _home(family)
+    for d in (64, 96, 128, 256):
+        plan = plan_spec(AttentionSpec(head_dim=d, mask="causal", family=name), target)
+        assert nvrtc_compile(family.render(plan), plan.name, NVRTC_OPTIONS, target.name)
