@@ -118,7 +118,7 @@ def resolve(spec: AttentionSpec, q: TensorInfo, k: TensorInfo) -> Kernel:
         stamp = None
     else:
         key = (spec, _bucket(max(q.shape[1], k.shape[1])), _bucket(q.shape[0] * q.shape[2]), device)
-        stamp = lookup.stamp()
+        stamp = lookup.recent_stamp()
     hit = _resolved.get(key)
     if hit is not None and hit[0] == stamp:
         return hit[1]
@@ -151,17 +151,43 @@ def _fallback(spec: AttentionSpec, kernel: Kernel, call: ForwardCall, reason: st
     raise ValueError(f"no kernel family can run these tensors ({kernel.plan.family}: {reason})")
 
 
+# Calls whose inputs have the layout of an earlier checked call skip the checks and the resolution:
+# (spec, scale, each input's shape, strides, dtype and device) -> (tuning stamp, kernel, scale).
+_checked: dict[tuple, tuple[Any, Kernel, float]] = {}
+MAX_CHECKED = 4096
+
+
 def forward(q, k, v, spec: AttentionSpec, *, softmax_scale: float | None = None, out=None, lse=None):
     """The forward pass on torch CUDA tensors or CuPy arrays: (out, lse), launched on the caller's
     current stream. Checks every input against the kernel contract first."""
     if not isinstance(spec, AttentionSpec):
         raise ValueError(f"spec must be an attngen.AttentionSpec, got {type(spec).__name__}")
     qi, ki, vi = describe(q, "q"), describe(k, "k"), describe(v, "v")
+    layout = None
+    if out is None and lse is None and not (qi.ptr % 16 or ki.ptr % 16 or vi.ptr % 16):
+        from attngen.tune import lookup
+
+        layout = (spec, softmax_scale, targets.device_target(qi.device), qi.shape, qi.strides, qi.dtype, qi.device,
+                  ki.shape, ki.strides, ki.dtype, ki.device, vi.shape, vi.strides, vi.dtype, vi.device)
+        hit = _checked.get(layout)
+        if hit is not None and (spec.fully_configured or hit[0] == lookup.recent_stamp()):
+            _, kernel, scale = hit
+            B, Sq, Hq, D = qi.shape
+            out, lse = new_like(q, (B, Sq, Hq, D)), new_like(q, (B, Hq, Sq), "float32")
+            call = ForwardCall(qi, ki, vi, describe(out, "out"), describe(lse, "lse"), scale)
+            kernel.run(call, current_stream(q, qi.device))
+            return out, lse
     checks.check_inputs(spec.problem, qi, ki, vi)
     kernel = resolve(spec, qi, ki)
     out, lse, call = _outputs_and_call(kernel.plan, q, qi, ki, vi, out, lse, softmax_scale)
     reason = kernel.family.accepts(kernel.plan, call)
     if reason is not None:
         kernel = _fallback(spec, kernel, call, reason)
+    if layout is not None:
+        from attngen.tune import lookup
+
+        if len(_checked) >= MAX_CHECKED:
+            _checked.clear()
+        _checked[layout] = (None if spec.fully_configured else lookup.recent_stamp(), kernel, call.softmax_scale)
     kernel.run(call, current_stream(q, qi.device))
     return out, lse

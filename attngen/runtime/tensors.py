@@ -67,7 +67,8 @@ def current_stream(ref: Any, device: int) -> int:
     if is_torch(ref):
         import torch
 
-        return torch.cuda.current_stream(device).cuda_stream
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # 0.3 us; the public way takes ~3 us
+        return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
     import cupy
 
     return cupy.cuda.get_current_stream().ptr

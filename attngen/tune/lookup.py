@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import threading
 import warnings
 
@@ -33,7 +34,7 @@ from attngen import families
 from attngen.errors import SpecError
 from attngen.spec import AttentionSpec
 from attngen.targets import Target
-from attngen.tune.db import TuningDB, TuningDBError, TuningKey, bucket, default_db_path, write_generation
+from attngen.tune.db import ENV_VAR, TuningDB, TuningDBError, TuningKey, bucket, default_db_path, write_generation
 from attngen.tune.model import Shape
 
 # (spec, buckets, GPU, target, compiler, database path) -> (the stamp when read, the answer)
@@ -74,6 +75,26 @@ def _stamp_of(path: str) -> tuple:
 def stamp() -> tuple:
     """Changes whenever a tuning result visible to this process may have changed (a few microseconds)."""
     return _stamp_of(str(default_db_path()))
+
+
+# The runtime's per-call check: this process's writes and a change of $ATTNGEN_TUNING_DB show at once,
+# other processes' writes (the database files' state) within RECHECK_S.
+RECHECK_S = 0.25
+_recent: tuple[float, str | None, tuple] = (float("-inf"), None, ())
+
+
+def recent_stamp() -> tuple:
+    """stamp() for the hot path: the files are stat'ed at most every RECHECK_S seconds (0.3 us otherwise)."""
+    global _recent
+    explicit = os.environ.get(ENV_VAR)
+    checked, path_env, files = _recent
+    now = time.monotonic()
+    if now - checked >= RECHECK_S or path_env != explicit:
+        path = str(default_db_path())
+        main = _file_state(path)
+        files = (path, main, main and _file_state(path + "-wal"))
+        _recent = (now, explicit, files)
+    return write_generation(), files
 
 
 def _warn_once(path: str, kind: str, message: str) -> None:
