@@ -114,3 +114,26 @@ def sm90a_only_family(monkeypatch):
     family = Sm90aOnly()
     monkeypatch.setattr(families, "FAMILIES", {family.name: family, **families.FAMILIES})
     return family
+
+
+
+@pytest.fixture
+def other_family():
+    """A second family for tuner tests: fwd_sm80's kernel under another name, on sm_90 and newer only."""
+    from attngen.families.fwd_sm80.family import Sm80Forward
+
+    class OtherFamily(Sm80Forward):
+        name = "fwd_other"
+
+        def supports(self, problem, target):
+            return None if target.cc >= 90 else f"needs sm_90 or newer, not {target.name}"
+
+    return OtherFamily()
+
+
+@pytest.fixture
+def sm80_only(monkeypatch):
+    """The registry holds fwd_sm80 alone (tuner tests count its configs) unless a test says otherwise."""
+    from attngen import families
+
+    monkeypatch.setattr(families, "FAMILIES", {"fwd_sm80": families.get_family("fwd_sm80")})

@@ -11,7 +11,6 @@ import pytest
 
 from attngen import families, targets
 from attngen.build.nvcc import ResourceReport
-from attngen.families.fwd_sm80.family import Sm80Forward
 from attngen.spec import AttentionSpec
 from attngen.tune import lookup, ranking, search
 from attngen.tune.db import TuningDB, spec_key
@@ -28,19 +27,7 @@ TARGET = dataclasses.replace(targets.target("sm_90"), sms=132, device_name="Fake
 SM80_FAMILY = families.get_family("fwd_sm80")
 
 
-class OtherFamily(Sm80Forward):
-    """A second family: fwd_sm80's kernel under another name, on sm_90 and newer only."""
-
-    name = "fwd_other"
-
-    def supports(self, problem, target):
-        return None if target.cc >= 90 else f"needs sm_90 or newer, not {target.name}"
-
-
-@pytest.fixture(autouse=True)
-def sm80_only(monkeypatch):
-    """The counts below are fwd_sm80's: the registry holds that family alone unless a test says otherwise."""
-    monkeypatch.setattr(families, "FAMILIES", {"fwd_sm80": SM80_FAMILY})
+pytestmark = pytest.mark.usefixtures("sm80_only")
 
 
 def plan_label(plan) -> str:
@@ -171,8 +158,8 @@ def test_times_the_best_predicted_first_up_to_the_fraction_and_stores_the_winner
     assert stored.key.seqlen_bucket == 1024 and stored.key.batch_heads_bucket == 16
 
 
-def test_every_family_that_supports_the_problem_is_searched_and_recorded(monkeypatch, db):
-    monkeypatch.setattr(families, "FAMILIES", {"fwd_other": OtherFamily(), "fwd_sm80": SM80_FAMILY})
+def test_every_family_that_supports_the_problem_is_searched_and_recorded(monkeypatch, db, other_family):
+    monkeypatch.setattr(families, "FAMILIES", {"fwd_other": other_family, "fwd_sm80": SM80_FAMILY})
     # fwd_other's kernels are a little faster: the winner is one of them.
     gpu = FakeGPU(monkeypatch, ms=lambda plan: (0.9 if plan.family == "fwd_other" else 1.0) + plan.block_m / 1000)
     spec = AttentionSpec(head_dim=64, mask="causal")

@@ -11,7 +11,6 @@ from attngen import families, targets
 from attngen.build.nvcc import ResourceReport
 from attngen.errors import SpecError
 from attngen.families.fwd_sm80.family import BLOCK_MS, BLOCK_NS, NUM_STAGES, NUM_WARPS, ROWS_PER_WARP, Sm80Config
-from attngen.families.fwd_sm80.family import Sm80Forward
 from attngen.masks import get_mask
 from attngen.spec import AttentionSpec
 from attngen.tune.model import Occupancy, Shape, gpu_model, occupancy
@@ -27,19 +26,7 @@ SM80_FAMILY = families.get_family("fwd_sm80")
 REGISTERED = dict(families.FAMILIES)
 
 
-class OtherFamily(Sm80Forward):
-    """A second family for these tests: fwd_sm80's kernel under another name, on sm_90 and newer only."""
-
-    name = "fwd_other"
-
-    def supports(self, problem, target):
-        return None if target.cc >= 90 else f"needs sm_90 or newer, not {target.name}"
-
-
-@pytest.fixture(autouse=True)
-def sm80_only(monkeypatch):
-    """Most tests below count fwd_sm80's configs: the registry holds that family alone unless a test says otherwise."""
-    monkeypatch.setattr(families, "FAMILIES", {"fwd_sm80": SM80_FAMILY})
+pytestmark = pytest.mark.usefixtures("sm80_only")
 
 
 def fake_report(candidate, registers=128, spills=0, static_smem=0) -> ResourceReport:
@@ -80,8 +67,8 @@ def test_pinned_config_fields_narrow_the_space_and_the_target_argument_wins():
     assert space[0].spec.fully_configured
 
 
-def test_every_family_that_supports_the_problem_is_searched_unless_one_is_pinned(monkeypatch):
-    monkeypatch.setattr(families, "FAMILIES", {"fwd_other": OtherFamily(), "fwd_sm80": SM80_FAMILY})
+def test_every_family_that_supports_the_problem_is_searched_unless_one_is_pinned(monkeypatch, other_family):
+    monkeypatch.setattr(families, "FAMILIES", {"fwd_other": other_family, "fwd_sm80": SM80_FAMILY})
     spec = AttentionSpec(head_dim=64, mask="causal")
     space = search_space(spec, SM90)
     names = [c.family for c in space]
@@ -91,7 +78,7 @@ def test_every_family_that_supports_the_problem_is_searched_unless_one_is_pinned
     assert families_of(search_space(spec.replace(family="fwd_sm80"), SM90)) == ("fwd_sm80",)
     with pytest.raises(SpecError, match="family='fwd_other' cannot run .* on sm_80: needs sm_90 or newer"):
         search_space(spec.replace(family="fwd_other"), SM80)
-    monkeypatch.setattr(families, "FAMILIES", {"fwd_other": OtherFamily()})
+    monkeypatch.setattr(families, "FAMILIES", {"fwd_other": other_family})
     with pytest.raises(SpecError, match="no kernel family can run causal_d64_gqa1_bf16 on sm_80 .*fwd_other: needs"):
         search_space(spec, SM80)
 
@@ -240,8 +227,8 @@ def test_ranking_puts_survivors_first_in_predicted_order():
     assert math.isinf(ranked[-1].predicted_ms) and math.isfinite(ranked[1].predicted_ms)
 
 
-def test_ranking_orders_the_candidates_of_every_family_together(monkeypatch):
-    monkeypatch.setattr(families, "FAMILIES", {"fwd_other": OtherFamily(), "fwd_sm80": SM80_FAMILY})
+def test_ranking_orders_the_candidates_of_every_family_together(monkeypatch, other_family):
+    monkeypatch.setattr(families, "FAMILIES", {"fwd_other": other_family, "fwd_sm80": SM80_FAMILY})
     space = search_space(AttentionSpec(head_dim=64, family=None, mask="causal"), SM90)
     registers = {"fwd_other": 200, "fwd_sm80": 96}  # the other family's kernels are fatter: fewer CTAs per SM
     ranked = rank([prune(c, fake_report(c, registers=registers[c.family]), H100) for c in space], H100,

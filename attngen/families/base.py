@@ -36,6 +36,7 @@ from attngen.targets import Target
 
 if TYPE_CHECKING:
     from attngen.build.nvcc import ResourceReport
+    from attngen.masks import MaskLowering
     from attngen.runtime.tensors import TensorInfo
     from attngen.tune.model import Estimate, GpuModel, Shape
 
@@ -78,6 +79,37 @@ class Plan:
     def choices(self) -> dict[str, Any]:
         """What the family derived beyond the problem and the config (manifests, tuner tables)."""
         return {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardPlan(Plan):
+    """A plan of a forward family: what its templates read about the problem, the mask and the fault."""
+
+    mask: "MaskLowering"
+
+    @property
+    def dtype(self) -> str:
+        return self.problem.dtype
+
+    @property
+    def head_dim(self) -> int:
+        return self.problem.head_dim
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.problem.gqa_ratio
+
+    @property
+    def fault_macro(self) -> str | None:
+        from attngen.faults import fault_macro
+
+        return fault_macro(self.fault)
+
+    @property
+    def problem_summary(self) -> str:
+        """The problem's fields that are set, for the generated source's header comment."""
+        return ", ".join(f"{f.name}={getattr(self.problem, f.name)}" for f in dataclasses.fields(self.problem)
+                         if getattr(self.problem, f.name) is not None)
 
 
 @dataclass(frozen=True)

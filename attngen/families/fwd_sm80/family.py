@@ -13,7 +13,7 @@ import functools
 import itertools
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -22,9 +22,9 @@ import yaml
 from attngen.codegen import render as codegen
 from attngen.codegen.abi import Abi, Param
 from attngen.errors import SpecError
-from attngen.faults import check_fault, fault_macro
-from attngen.families.base import Config, ForwardCall, KernelFamily, KernelPlan, Launch, Plan
-from attngen.masks import MASKS, MaskLowering, get_mask
+from attngen.faults import check_fault
+from attngen.families.base import Config, ForwardCall, ForwardPlan, KernelFamily, KernelPlan, Launch
+from attngen.masks import MASKS, get_mask
 from attngen.spec import HEAD_DIMS, Problem
 from attngen.targets import Target
 
@@ -65,7 +65,7 @@ class Sm80Config(Config):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Sm80Plan(Plan):
+class Sm80Plan(ForwardPlan):
     num_warps: int
     num_stages: int
     q_in_regs: bool  # Q fragments stay in registers (else re-read from shared memory per k16 step)
@@ -74,28 +74,6 @@ class Sm80Plan(Plan):
     threads: int
     smem_bytes: int
     min_blocks_per_sm: int
-    mask: MaskLowering
-
-    @property
-    def dtype(self) -> str:
-        return self.problem.dtype
-
-    @property
-    def head_dim(self) -> int:
-        return self.problem.head_dim
-
-    @property
-    def gqa_ratio(self) -> int:
-        return self.problem.gqa_ratio
-
-    @property
-    def fault_macro(self) -> str | None:
-        return fault_macro(self.fault)
-
-    @property
-    def problem_summary(self) -> str:
-        return ", ".join(f"{f.name}={getattr(self.problem, f.name)}" for f in fields(self.problem)
-                         if getattr(self.problem, f.name) is not None)
 
     def choices(self) -> dict[str, Any]:
         return {"q_in_regs": self.q_in_regs, "row_sums_in_smem": self.row_sums_in_smem, "sub_n": self.sub_n,

@@ -15,7 +15,7 @@ import functools
 import itertools
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -25,10 +25,10 @@ from attngen.codegen import render as codegen
 from attngen.codegen.abi import Abi, Param
 from attngen.dtypes import get_dtype
 from attngen.errors import SpecError
-from attngen.faults import check_fault, fault_macro
-from attngen.families.base import Config, ForwardCall, KernelFamily, KernelPlan, Launch, Plan
+from attngen.faults import check_fault
+from attngen.families.base import Config, ForwardCall, ForwardPlan, KernelFamily, KernelPlan, Launch
 from attngen.families.fwd_sm90 import tma
-from attngen.masks import MASKS, MaskLowering, get_mask
+from attngen.masks import MASKS, get_mask
 from attngen.spec import Problem
 from attngen.targets import Target
 
@@ -72,7 +72,7 @@ class Sm90Config(Config):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Sm90Plan(Plan):
+class Sm90Plan(ForwardPlan):
     consumers: int
     num_stages: int
     q_buffers: int  # 2 when shared memory holds a second Q tile: the next tile's Q loads early
@@ -83,28 +83,6 @@ class Sm90Plan(Plan):
     smem_bytes: int
     producer_regs: int | None
     consumer_regs: int | None
-    mask: MaskLowering
-
-    @property
-    def dtype(self) -> str:
-        return self.problem.dtype
-
-    @property
-    def head_dim(self) -> int:
-        return self.problem.head_dim
-
-    @property
-    def gqa_ratio(self) -> int:
-        return self.problem.gqa_ratio
-
-    @property
-    def fault_macro(self) -> str | None:
-        return fault_macro(self.fault)
-
-    @property
-    def problem_summary(self) -> str:
-        return ", ".join(f"{f.name}={getattr(self.problem, f.name)}" for f in fields(self.problem)
-                         if getattr(self.problem, f.name) is not None)
 
     def choices(self) -> dict[str, Any]:
         return {"threads": self.threads, "smem_bytes": self.smem_bytes, "q_buffers": self.q_buffers,
