@@ -48,7 +48,6 @@ class Target:
     smem_per_sm: int
     sms: int | None = None  # multiprocessors; None for a target read from the table
     device_name: str | None = None
-    l2_bytes: int = 50 * 1024 * 1024  # the device's, else the H100's
 
     @property
     def name(self) -> str:
@@ -85,7 +84,7 @@ def target(arch: str) -> Target:
 
 def for_compute_capability(major: int, minor: int, *, smem_per_block: int | None = None,
                            smem_per_sm: int | None = None, sms: int | None = None,
-                           device_name: str | None = None, l2_bytes: int | None = None) -> Target:
+                           device_name: str | None = None) -> Target:
     """The target of a GPU; its own reported limits, where given, override the table's."""
     cc = 10 * major + minor
     if cc < MIN_CC:
@@ -93,8 +92,7 @@ def for_compute_capability(major: int, minor: int, *, smem_per_block: int | None
         raise ValueError(f"the GPU{what} has compute capability {major}.{minor}; attngen kernels need 8.0 or newer "
                          "(Ampere, Ada, Hopper, Blackwell)")
     table_block, table_sm = KNOWN.get(cc, UNKNOWN_LIMITS)
-    return Target(cc, smem_per_block or table_block, smem_per_sm or table_sm, sms, device_name,
-                  l2_bytes or Target.l2_bytes)
+    return Target(cc, smem_per_block or table_block, smem_per_sm or table_sm, sms, device_name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,4 +105,4 @@ def device_target(device: int) -> Target:
     return for_compute_capability(
         props["major"], props["minor"], smem_per_block=props.get("sharedMemPerBlockOptin"),
         smem_per_sm=props.get("sharedMemPerMultiprocessor"), sms=props["multiProcessorCount"],
-        device_name=name.decode() if isinstance(name, bytes) else str(name), l2_bytes=props.get("l2CacheSize"))
+        device_name=name.decode() if isinstance(name, bytes) else str(name))

@@ -27,8 +27,8 @@ def test_unknown_arch_names_the_value_and_the_allowed_set(arch):
 
 
 def test_device_limits_override_the_table_and_old_gpus_are_refused():
-    t = targets.for_compute_capability(9, 0, smem_per_block=1000, sms=7, device_name="X", l2_bytes=123)
-    assert (t.name, t.smem_per_block, t.sms, t.l2_bytes) == ("sm_90a", 1000, 7, 123)
+    t = targets.for_compute_capability(9, 0, smem_per_block=1000, sms=7, device_name="X")
+    assert (t.name, t.smem_per_block, t.sms) == ("sm_90a", 1000, 7)
     with pytest.raises(ValueError, match=r"compute capability 7\.5.*8\.0 or newer"):
         targets.for_compute_capability(7, 5)
     newer = targets.for_compute_capability(13, 0)  # not in the table: the smallest known limits
