@@ -15,6 +15,7 @@ import functools
 import sys
 
 from attngen.masks import MASKS
+from attngen.runtime.tensors import torch_stream
 from attngen.spec import HEAD_DIMS, MAX_GQA_RATIO, AttentionSpec
 
 OP = "attngen::forward"
@@ -61,20 +62,40 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
     if type(q).__module__.startswith("torch"):
         import torch
 
-        key = _spec_key(q, k, spec, mask)
-        if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
+        if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             raise ValueError("q, k or v requires grad, but attngen has no backward kernel yet; call under "
                              "torch.no_grad() or detach the inputs")
-        if EAGER_DIRECT and not torch.compiler.is_compiling() and type(q) is torch.Tensor \
-                and type(k) is torch.Tensor and type(v) is torch.Tensor:
-            out, lse = _forward_impl(q, k, v, key, softmax_scale)
+        if EAGER_DIRECT and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor \
+                and not torch.compiler.is_compiling():
+            out, lse = _eager(torch, q, k, v, spec, mask, softmax_scale)
         else:
-            out, lse = (_OP or register())(q, k, v, key, softmax_scale)
+            out, lse = (_OP or register())(q, k, v, _spec_key(q, k, spec, mask), softmax_scale)
     else:
         from attngen.runtime.dispatch import forward
 
         out, lse = forward(q, k, v, _spec_from_key(_spec_key(q, k, spec, mask)), softmax_scale=softmax_scale)
     return (out, lse) if return_lse else out
+
+
+def _eager(torch, q, k, v, spec, mask, softmax_scale):
+    """The op's implementation for plain tensors, called directly. A layout seen before (same
+    arguments, shapes, strides, dtypes, devices; pointers 16-byte aligned) runs its Prepared call
+    (attngen/runtime/prepared.py) without repeating the checks: the launch overhead of a tiny call."""
+    from attngen.runtime import dispatch
+
+    key = None
+    if (mask is None or type(mask) is str) and (softmax_scale is None or type(softmax_scale) in (float, int)) \
+            and (spec is None or type(spec) is AttentionSpec):
+        key = (spec, mask, softmax_scale, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype,
+               k.device, v.shape, v.stride(), v.dtype, v.device)
+        prepared = dispatch.eager_prepared.get(key)
+        if prepared is not None and not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16) \
+                and prepared.current():
+            return prepared.run_torch(torch, q, k, v, torch_stream(torch, prepared.device))
+    prepared = dispatch.prepare(q, k, v, _spec_from_key(_spec_key(q, k, spec, mask)), softmax_scale)
+    if key is not None:
+        dispatch.remember(dispatch.eager_prepared, key, prepared)
+    return prepared.run_torch(torch, q, k, v, torch_stream(torch, prepared.device))
 
 
 def _spec_key(q, k, spec, mask) -> str:

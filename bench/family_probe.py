@@ -132,8 +132,10 @@ def run_timing(family: str) -> list[dict]:
     return rows
 
 
-def run_sweep(family, labels: list[str], points: list[str]) -> list[dict]:
-    """TFLOP/s of each config label at each point, beside cuDNN, in this process."""
+def run_sweep(family, labels: list[str], points: list[str], variants: list[str] = ("",)) -> list[dict]:
+    """TFLOP/s of each config label at each point, beside cuDNN, in this process; each label once per
+    variant: `NAME=VALUE[,NAME=VALUE]` settings of the family module's host-side constants."""
+    import ast
     import re
 
     import torch
@@ -160,20 +162,28 @@ def run_sweep(family, labels: list[str], points: list[str]) -> list[dict]:
                                                       is_causal=causal)
         peer = flops / (time_ms(cudnn, sets) * 1e-3) / 1e12
         line = [f"{point}: cuDNN {peer:.1f}"]
-        for label in labels:
+        module = sys.modules[type(family).__module__]
+        for label, variant in ((label, variant) for label in labels for variant in variants):
+            settings = dict(item.split("=", 1) for item in variant.split(",") if item)
+            saved = {name: getattr(module, name) for name in settings}
+            name = label + (f"[{variant}]" if variant else "")
             config = type(family.default_config(AttentionSpec(head_dim=d).problem, _target())).from_label(label)
             try:
+                for key, value in settings.items():
+                    setattr(module, key, ast.literal_eval(value))
                 spec = AttentionSpec(head_dim=d, mask="causal" if causal else "none", family=family.name,
                                      config=config.to_dict())
                 kernel = attngen.compile(spec)
                 tf = flops / (time_ms(lambda q, k, v: kernel(q, k, v), sets) * 1e-3) / 1e12
             except (SpecError, ValueError) as exc:
-                tf = None
-                line.append(f"{label} -")
-                print(f"  {label}: {exc}", flush=True)
+                line.append(f"{name} -")
+                print(f"  {name}: {exc}", flush=True)
                 continue
-            rows.append({"point": point, "label": label, "tflops": tf, "cudnn": peer})
-            line.append(f"{label} {tf:.1f} ({tf / peer:.2f}x)")
+            finally:
+                for key, value in saved.items():
+                    setattr(module, key, value)
+            rows.append({"point": point, "label": label, "variant": variant, "tflops": tf, "cudnn": peer})
+            line.append(f"{name} {tf:.1f} ({tf / peer:.2f}x)")
         print("  ".join(line), flush=True)
         del sets
         torch.cuda.empty_cache()
@@ -191,6 +201,8 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--sweep", default="", help="time these config labels at --points (e.g. m128n128s2opr,...)")
     parser.add_argument("--points", default="d128c2048,d128n8192", help="d<head dim><c|n><seqlen>,...")
+    parser.add_argument("--variants", default="", help="';'-separated NAME=VALUE[,NAME=VALUE] settings of the family "
+                        "module's constants, each label timed under each (empty: as is)")
     parser.add_argument("--no-check", action="store_true", help="skip the reference checks")
     args = parser.parse_args()
     if args.child:
@@ -213,7 +225,8 @@ def main() -> None:
     rows = [] if args.no_check else run_checks(specs, args.timeout)
     timing = run_timing(family.name) if args.time else []
     if args.sweep:
-        timing += run_sweep(family, [c for c in args.sweep.split(",") if c], args.points.split(","))
+        timing += run_sweep(family, [c for c in args.sweep.split(",") if c], args.points.split(","),
+                            args.variants.split(";") if args.variants else [""])
     failed = [r for r in rows if r["status"] != "ok"]
     print(f"\n{len(rows) - len(failed)}/{len(rows)} spec runs passed" + (f"; failed: {[r['name'] for r in failed]}"
                                                                       if failed else ""))

@@ -71,3 +71,31 @@ def test_the_op_and_the_direct_eager_path_agree(monkeypatch):
     assert torch.equal(direct[0], through_op[0]) and torch.equal(direct[1], through_op[1])
     assert torch.equal(torch.ops.attngen.forward(q, k, v, attngen.AttentionSpec(head_dim=128, gqa_ratio=4).key(),
                                                  None)[0], direct[0])
+
+
+def test_a_layout_seen_before_runs_new_data_and_still_refuses_bad_pointers():
+    """The second call of a layout skips the checks (attngen/runtime/prepared.py): new data at new
+    addresses must give new, right answers, and a misaligned view must still be refused."""
+    import torch
+
+    from attngen.runtime import dispatch
+
+    dispatch.forget()
+    results = []
+    for seed in (5, 6, 7):  # the same layout three times, at different addresses
+        q, k, v = _inputs(seed=seed, S=200)
+        out = attngen.attention(q, k, v, mask="causal")
+        ref = reference.attention(q, k, v, mask="causal")
+        assert tolerance.check_output(out, ref, q, k, v, "bf16", 128**-0.5) is None
+        results.append((q.data_ptr(), out))
+    assert len({ptr for ptr, _ in results}) > 1 and len(dispatch.eager_prepared) == 1
+    # Same shape and strides, but the data starts 8 bytes into the buffer: not 16-byte aligned.
+    q, k, v = _inputs(seed=8, S=200)
+    flat = torch.empty(q.numel() + 8, dtype=q.dtype, device="cuda")
+    shifted = flat[4:4 + q.numel()].view(q.shape)
+    shifted.copy_(q)
+    with pytest.raises(ValueError, match="q rows must be 16-byte aligned"):
+        attngen.attention(shifted, k, v, mask="causal")
+    # The op path's memo (keyed by the spec) gives what the eager one gives.
+    assert torch.equal(dispatch.forward(q, k, v, attngen.AttentionSpec(head_dim=128, gqa_ratio=4, mask="causal"))[0],
+                       attngen.attention(q, k, v, mask="causal"))

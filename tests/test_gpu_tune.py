@@ -58,7 +58,7 @@ def inputs(S, B=2, H=8):
 def kernels_run(fn) -> list:
     """The plans of the kernels resolved while fn() runs (the dispatcher's memos, emptied first)."""
     dispatch._kernels.clear()
-    dispatch._resolved.clear()
+    dispatch.forget()
     fn()
     return [kernel.plan for kernel in dispatch._kernels.values()]
 

@@ -34,12 +34,23 @@ class LoadedModule:
             # The CUfunction handles, loaded on this device (RawKernel.kernel is a cupy.cuda.Function).
             self._handles = {symbol: raw.kernel.ptr for symbol, raw in self._kernels.items()}
 
-    def launch(self, launches: list[Launch], stream: int) -> None:
-        """Launch in order on `stream` (a raw cudaStream_t); the driver copies the parameters at once."""
+    def bind(self, launches: list[Launch]) -> tuple:
+        """The launches as driver arguments, their parameter buffers built once (kept alive here)."""
+        bound = []
         for launch in launches:
             params = ctypes.create_string_buffer(launch.params, len(launch.params))
             argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-            gx, gy, gz = launch.grid
-            bx, by, bz = launch.block
-            self._launch_kernel(self._handles[launch.kernel], gx, gy, gz, bx, by, bz, launch.smem_bytes, stream,
-                                ctypes.addressof(argv), 0)
+            bound.append((self._handles[launch.kernel], *launch.grid, *launch.block, launch.smem_bytes,
+                          ctypes.addressof(argv), (params, argv)))
+        return tuple(bound)
+
+    def launch_bound(self, bound: tuple, stream: int) -> None:
+        """Launch bound launches in order on `stream` (a raw cudaStream_t); the driver copies the
+        parameters at once, so a bound launch can be launched again."""
+        launch_kernel = self._launch_kernel
+        for handle, gx, gy, gz, bx, by, bz, smem, argv, _ in bound:
+            launch_kernel(handle, gx, gy, gz, bx, by, bz, smem, stream, argv, 0)
+
+    def launch(self, launches: list[Launch], stream: int) -> None:
+        """Launch in order on `stream` (a raw cudaStream_t)."""
+        self.launch_bound(self.bind(launches), stream)

@@ -67,8 +67,13 @@ def current_stream(ref: Any, device: int) -> int:
     if is_torch(ref):
         import torch
 
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # 0.3 us; the public way takes ~3 us
-        return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+        return torch_stream(torch, device)
     import cupy
 
     return cupy.cuda.get_current_stream().ptr
+
+
+def torch_stream(torch, device: int) -> int:
+    """torch's current raw cudaStream_t on `device`."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # 0.3 us; the public way takes ~3 us
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream

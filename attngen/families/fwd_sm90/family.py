@@ -220,7 +220,12 @@ class Sm90Forward(KernelFamily):
         args = Sm90Args(call, m_blocks, tensor_map(call.q, plan.block_m), tensor_map(call.k, plan.block_n),
                         tensor_map(call.v, plan.block_n), tensor_map(call.out, 64))
         tiles = m_blocks * call.heads_q * call.batch
-        grid = (min(tiles, plan.target.sms or DEFAULT_SMS) if plan.persistent else tiles, 1, 1)
+        if plan.persistent:  # pairs of tiles (an even count per head) dealt out to one CTA per SM at most
+            tiles = (m_blocks + 1) // 2 * 2 * call.heads_q * call.batch
+            sms = plan.target.sms or DEFAULT_SMS
+            grid = (tiles if tiles <= sms else min(tiles // 2, sms), 1, 1)  # flash_fwd_sm90.cuh tile_index
+        else:
+            grid = (tiles, 1, 1)
         return [Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, ARGUMENTS.pack(args))]
 
     def estimate(self, plan, report, gpu, shape):

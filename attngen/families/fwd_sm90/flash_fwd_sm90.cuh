@@ -1,8 +1,11 @@
 // ---- flash_fwd_sm90.cuh: FlashAttention forward for Hopper (sm_90a) ----
-// A CTA works through tiles (one query block of one (batch, query head) each): tile t, t + grid,
-// ... of an order that keeps each head's query blocks together, so its K/V stay in L2, longest
-// first (tile_of). A grid of one CTA per tile leaves the order to the hardware's block
-// scheduler; a grid of one CTA per SM is persistent: one tile's epilogue overlaps the next
+// A CTA works through tiles (one query block of one (batch, query head) each). The order keeps
+// each head's query blocks together, so its K/V stay in L2, and zigzags from both ends: the
+// longest block (under a causal mask the last one sees the most keys), the shortest, the second
+// longest, ... (tile_of). A grid of one CTA per tile leaves the order to the hardware's block
+// scheduler. A persistent grid (one CTA per SM, PERSISTENT) deals out consecutive pairs of
+// tiles round-robin: under a causal mask every pair holds about the same number of key blocks,
+// so a static schedule comes out balanced, and one tile's epilogue overlaps the next
 // one's loads (docs/perf-notes.md: which wins where). Warp specialisation: warpgroup 0 is the producer, one thread
 // of which streams Q (Q_BUFFERS deep) and the K/V blocks through a NUM_STAGES-deep ring with
 // TMA, completing on mbarriers; the ring runs on across tiles.
@@ -13,7 +16,7 @@
 // one's softmax runs under the other's. Key blocks the mask makes empty are never loaded;
 // blocks it makes full are never masked per element.
 // Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_N,
-// CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, SET_MAX_REGS, PRODUCER_REGS,
+// CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PERSISTENT, SET_MAX_REGS, PRODUCER_REGS,
 // CONSUMER_REGS, IS_BF16 }, namespace mask { visible, kv_begin, kv_end, full_begin, full_end },
 // and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS).
 
@@ -48,15 +51,32 @@ struct Pipeline {
     u64 k_full[NUM_STAGES], k_empty[NUM_STAGES], v_full[NUM_STAGES], v_empty[NUM_STAGES];
 };
 
-// Tile t: (batch, head) pairs one after another (the query heads of one kv head together), and
-// within a pair the last query block first (under a causal mask it has the most key blocks).
+// Tile t of the order: (batch, head) pairs one after another (the query heads of one kv head
+// together). Within a pair, one CTA per tile: the query blocks longest first (M-1, M-2, ...);
+// persistent: zigzag (M-1, 0, M-2, 1, ...) over an even count, so tiles 2u and 2u+1 are a pair
+// of the same head whose key blocks add up to about the same number for every u. An odd count
+// gets a phantom block M (past Sq: nothing to load or store) paired with block 0.
 struct Tile {
     int m_block, head, batch;
 };
 
+__device__ __forceinline__ int blocks_per_head(const Params& p) {
+    return PERSISTENT ? (p.m_blocks + 1) & ~1 : p.m_blocks;
+}
+
 __device__ __forceinline__ Tile tile_of(const Params& p, int t) {
-    const int bh = t / p.m_blocks;
-    return {p.m_blocks - 1 - (t - bh * p.m_blocks), bh % p.Hq, bh / p.Hq};
+    const int per_head = blocks_per_head(p);
+    const int bh = t / per_head, r = t - bh * per_head;
+    const int m_block = !PERSISTENT ? per_head - 1 - r : (r & 1) ? r / 2 : per_head - 1 - r / 2;
+    return {m_block, bh % p.Hq, bh / p.Hq};
+}
+
+// The order position of this CTA's j-th tile; the first one past the tiles ends its work.
+// Persistent with more tiles than CTAs: pair u = j / 2 of this CTA is pair blockIdx.x + u * gridDim.x.
+__device__ __forceinline__ int tile_index(int j, int tiles) {
+    if (PERSISTENT && static_cast<int>(gridDim.x) < tiles)
+        return 2 * ((j >> 1) * static_cast<int>(gridDim.x) + blockIdx.x) + (j & 1);
+    return j == 0 ? static_cast<int>(blockIdx.x) : 0x7fffffff;
 }
 
 // The key blocks one CTA visits, from the last to the first so partially masked blocks come
@@ -72,6 +92,7 @@ struct Blocks {
 };
 
 __device__ __forceinline__ Blocks kv_blocks(int m0, int m1, int Sq, int Sk) {
+    if (m0 >= Sq) return {0, 0, 0, 0};  // a phantom block past the last row
     const int kv_lo = mask::kv_begin(m0, m1, Sq, Sk), kv_hi = mask::kv_end(m0, m1, Sq, Sk);
     Blocks b;
     b.n_begin = kv_lo / BLOCK_N;
@@ -92,7 +113,7 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
     tma_prefetch(&p.tmap_v);
     int g = 0;  // K/V blocks loaded so far: the ring's position runs on across tiles
 #pragma unroll 1
-    for (int j = 0, t = blockIdx.x; t < tiles; ++j, t += gridDim.x) {
+    for (int j = 0, t = tile_index(0, tiles); t < tiles; t = tile_index(++j, tiles)) {
         const Tile tile = tile_of(p, t);
         const int m0 = tile.m_block * BLOCK_M, kv_head = tile.head / GQA_RATIO;  // query head h reads kv head h // ratio
         const Blocks b = kv_blocks(m0, min(m0 + BLOCK_M, p.Sq), p.Sq, p.Sk);
@@ -211,9 +232,9 @@ struct Turns {
     }
 };
 
-// Whether this CTA has a tile after tile t with key blocks to visit (its GEMM turns are not over).
-__device__ __forceinline__ bool more_work(const Params& p, int t, int tiles) {
-    for (t += gridDim.x; t < tiles; t += gridDim.x) {
+// Whether this CTA has a tile after its round j with key blocks to visit (its GEMM turns are not over).
+__device__ __forceinline__ bool more_work(const Params& p, int j, int tiles) {
+    for (int t = tile_index(++j, tiles); t < tiles; t = tile_index(++j, tiles)) {
         const int m0 = tile_of(p, t).m_block * BLOCK_M;
         if (kv_blocks(m0, min(m0 + BLOCK_M, p.Sq), p.Sq, p.Sk).count() > 0) return true;
     }
@@ -347,18 +368,18 @@ __device__ __forceinline__ void consume(const Params& p, Pipeline& pipe, u32 sQ,
     const int tid = threadIdx.x % WG_THREADS;
     if constexpr (PINGPONG) {
         // The first warpgroup goes first (when the CTA has GEMMs to issue at all).
-        if (wg == CONSUMERS - 1 && more_work(p, static_cast<int>(blockIdx.x) - static_cast<int>(gridDim.x), tiles))
+        if (wg == CONSUMERS - 1 && more_work(p, -1, tiles))
             named_arrive(PINGPONG_BARRIER, 2 * WG_THREADS);
     }
     int g = 0;  // K/V blocks consumed so far
 #pragma unroll 1
-    for (int j = 0, t = blockIdx.x; t < tiles; ++j, t += gridDim.x) {
+    for (int j = 0, t = tile_index(0, tiles); t < tiles; t = tile_index(++j, tiles)) {
         const Tile tile = tile_of(p, t);
         const int m0 = tile.m_block * BLOCK_M;
         const Blocks b = kv_blocks(m0, min(m0 + BLOCK_M, p.Sq), p.Sq, p.Sk);
         const int qb = j % Q_BUFFERS;
         mbar_wait(smem_u32(&pipe.q_full[qb]), (j / Q_BUFFERS) & 1);
-        const bool last_turns = PINGPONG && b.count() > 0 && !more_work(p, t, tiles);
+        const bool last_turns = PINGPONG && b.count() > 0 && !more_work(p, j, tiles);
         consume_tile(p, pipe, sQ + qb * Q_BYTES, sK, sV, b, tile, g, last_turns, wg);
         g += b.count();
         // This warpgroup's output has left the Q buffer: the producer may refill it.
@@ -372,7 +393,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
     // Swizzled tiles must start on 1024-byte boundaries: align the base (SMEM_BYTES has the slack).
     const u32 sQ = (smem_u32(smem_raw) + ALIGN - 1) & ~static_cast<u32>(ALIGN - 1);
     const u32 sK = sQ + Q_BUFFERS * Q_BYTES, sV = sK + NUM_STAGES * KV_BYTES;
-    const int tiles = p.m_blocks * p.Hq * p.batch;
+    const int tiles = blocks_per_head(p) * p.Hq * p.batch;
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int q = 0; q < Q_BUFFERS; ++q) {

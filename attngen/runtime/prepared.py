@@ -1,0 +1,76 @@
+"""A call layout checked once: what every later call with the same layout can skip.
+
+Everything the checks, the tuning lookup and the family's launch list depend on is a function of
+the inputs' layout (shapes, strides, dtypes, devices), the spec and the scale, except the data
+pointers: those only enter the packed parameters (and the TMA descriptors), and the checks only
+need them 16-byte aligned. So a checked call becomes a `Prepared` per layout; its launches are
+packed once per set of pointers (a loop that reuses its buffers, as torch's caching allocator
+makes it, packs nothing after the first step), and a call costs two output allocations, one
+dictionary lookup and the driver launches. Kept current with the tuning database by its stamp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from attngen.families.base import ForwardCall
+from attngen.runtime.tensors import current_stream, describe, new_like
+
+# Distinct pointer sets remembered per layout before the memo starts over (a bounded cache).
+MAX_BOUND = 64
+
+
+class Prepared:
+    """The kernel, output shapes and scale of one checked call layout."""
+
+    def __init__(self, kernel, call: ForwardCall, stamp: Any):
+        self.kernel = kernel
+        self.stamp = stamp  # the tuning database's stamp it was resolved under; None: never stale
+        self.template = call
+        B, Sq, Hq, D = call.q.shape
+        self.out_shape = (B, Sq, Hq, D)
+        self.lse_shape = (B, Hq, Sq)
+        self.device = call.q.device
+        self.empty = call.batch == 0 or call.seq_q == 0 or call.heads_q == 0
+        self._bound: dict[tuple[int, ...], tuple] = {}
+
+    def current(self) -> bool:
+        """Whether the tuning database still says what it said when this was resolved."""
+        if self.stamp is None:
+            return True
+        from attngen.tune import lookup
+
+        return self.stamp == lookup.recent_stamp()
+
+    def launches(self, ptrs: tuple[int, int, int, int, int]) -> tuple:
+        """The packed launches for (q, k, v, out, lse) at these addresses."""
+        bound = self._bound.get(ptrs)
+        if bound is None:
+            if len(self._bound) >= MAX_BOUND:
+                self._bound.clear()
+            t = self.template
+            call = dataclasses.replace(
+                t, q=dataclasses.replace(t.q, ptr=ptrs[0]), k=dataclasses.replace(t.k, ptr=ptrs[1]),
+                v=dataclasses.replace(t.v, ptr=ptrs[2]), out=dataclasses.replace(t.out, ptr=ptrs[3]),
+                lse=dataclasses.replace(t.lse, ptr=ptrs[4]))
+            bound = self._bound[ptrs] = self.kernel.bind(call)
+        return bound
+
+    def run_torch(self, torch, q, k, v, stream: int):
+        """(out, lse) for plain torch tensors of this layout, whose pointers are 16-byte aligned."""
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if not self.empty:
+            ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
+            self.kernel.launch_bound(self.launches(ptrs), stream)
+        return out, lse
+
+    def run(self, q, k, v):
+        """(out, lse) for torch tensors or CuPy arrays of this layout, 16-byte aligned."""
+        out, lse = new_like(q, self.out_shape), new_like(q, self.lse_shape, "float32")
+        if not self.empty:
+            ptrs = (describe(q, "q").ptr, describe(k, "k").ptr, describe(v, "v").ptr, describe(out, "out").ptr,
+                    describe(lse, "lse").ptr)
+            self.kernel.launch_bound(self.launches(ptrs), current_stream(q, self.device))
+        return out, lse
