@@ -12,9 +12,10 @@ which saves its per-call overhead. CuPy arrays take the runtime directly.
 from __future__ import annotations
 
 import functools
+import json
 import sys
 
-from attngen.masks import MASKS
+from attngen import masks
 from attngen.runtime.tensors import torch_stream
 from attngen.spec import HEAD_DIMS, MAX_GQA_RATIO, AttentionSpec
 
@@ -39,8 +40,11 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
         spec: an AttentionSpec pinning everything (head dim, dtype, GQA ratio, mask, scale, and
             optionally the kernel family and its config). Without one, head dim, dtype and GQA
             ratio are taken from the tensors and the mask from `mask`.
-        mask: "none" (default) or "causal" (bottom-right aligned when seq_q != seq_k: query i
-            sees keys j <= i + seq_k - seq_q). With a spec, it must agree with the spec's mask.
+        mask: "none" (default), "causal" (bottom-right aligned when seq_q != seq_k: query i
+            sees keys j <= i + seq_k - seq_q), another built-in such as "sliding_window(256, 0)"
+            or "chunked(512)", or an expression over b, h, q_idx, kv_idx, q_len, kv_len such as
+            "kv_idx <= q_idx and q_idx - kv_idx < 4096" (docs/masks.md). Compiled into the kernel:
+            key blocks it hides are skipped. With a spec, it must agree with the spec's mask.
         softmax_scale: the scale of q k^T; default the spec's, else 1 / sqrt(head_dim).
         return_lse: also return the log-sum-exp of each row's scaled scores.
 
@@ -104,13 +108,11 @@ def _spec_key(q, k, spec, mask) -> str:
     if spec is not None:
         if not isinstance(spec, AttentionSpec):
             raise ValueError(f"spec must be an attngen.AttentionSpec or None, got {type(spec).__name__}")
-        if mask is not None and mask != spec.mask:
+        if mask is not None and _known_mask_texts(mask)[0] != spec.mask:
             raise ValueError(f"mask={mask!r} conflicts with the spec's mask={spec.mask!r}; allowed: None or the "
                              "spec's mask")
         return spec.key()
-    mask = "none" if mask is None else mask
-    if not isinstance(mask, str) or mask not in MASKS:
-        raise ValueError(f"mask={mask!r} is invalid; allowed: {', '.join(MASKS)}")
+    mask_json = _known_mask_texts("none" if mask is None else mask)[1]  # ValueError naming mask=, what is allowed
     for name, t in (("q", q), ("k", k)):
         if len(t.shape) != 4:
             raise ValueError(f"{name} must have 4 dims (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
@@ -125,7 +127,28 @@ def _spec_key(q, k, spec, mask) -> str:
         raise ValueError(f"q has {heads_q} heads and k has {heads_kv}; allowed: heads_q a multiple of heads_kv, "
                          f"at most {MAX_GQA_RATIO} times")
     # AttentionSpec.key()'s canonical JSON, spelled out (fields sorted, no spaces).
-    return f'{{"dtype":"{dtype}","gqa_ratio":{heads_q // heads_kv},"head_dim":{head_dim},"mask":"{mask}"}}'
+    return f'{{"dtype":"{dtype}","gqa_ratio":{heads_q // heads_kv},"head_dim":{head_dim},"mask":{mask_json}}}'
+
+
+def _known_mask_texts(mask) -> tuple[str, str]:
+    """(canonical mask, its JSON string). Parsing an expression is nothing for torch.compile to
+    trace: masks seen before (and none, causal) come from a dict that dynamo reads as constants;
+    others go through _MASK_TEXTS, which register() marks to run once at trace time."""
+    texts = _MASK_CACHE.get(mask) if type(mask) is str else None
+    return texts if texts is not None else _MASK_TEXTS(mask)
+
+
+def _mask_texts(mask) -> tuple[str, str]:
+    canonical = masks.canonical(mask)  # ValueError naming mask= and what is allowed
+    texts = (canonical, json.dumps(canonical))
+    if len(_MASK_CACHE) < MAX_CACHED_MASKS:
+        _MASK_CACHE[mask] = texts
+    return texts
+
+
+_MASK_CACHE: dict[str, tuple[str, str]] = {"none": ("none", '"none"'), "causal": ("causal", '"causal"')}
+MAX_CACHED_MASKS = 1024
+_MASK_TEXTS = _mask_texts
 
 
 @functools.lru_cache(maxsize=4096)
@@ -168,10 +191,11 @@ _OP = None
 def register():
     """Register torch.ops.attngen.forward (done when attngen is imported after torch, else on first use;
     importing attngen needs no torch). Returns the op."""
-    global _OP
+    global _OP, _MASK_TEXTS
     if _OP is not None:
         return _OP
     torch = _torch()
+    _MASK_TEXTS = torch.compiler.assume_constant_result(_mask_texts)
 
     @torch.library.custom_op(OP, mutates_args=(), schema=SCHEMA)
     def forward(q, k, v, spec_key, softmax_scale):

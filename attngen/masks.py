@@ -1,76 +1,146 @@
-"""Mask lowering: the pluggable stage that turns a mask name into kernel code.
+"""Mask lowering: a mask's text -> what every forward family's template needs (attngen/cuda/mask.cuh.j2).
 
-Each mask is lowered to four facts the forward template needs, all in terms of the
-row index `q`, the key index `k` and the runtime lengths `Sq`, `Sk`:
+A mask is an expression of attngen's mask language (docs/masks.md, compiled by attngen/maskc):
+a built-in such as `causal`, `sliding_window(256, 0)` or `chunked(512)`, an expression over
+`b, h, q_idx, kv_idx, q_len, kv_len` such as `q_idx - kv_idx < 4096 and kv_idx <= q_idx`, or a
+combination with and/or/not. Its lowering holds:
 
-  visible(q, k)            element predicate, evaluated only in blocks that need it
-  kv_end(m0, m1)           exclusive upper bound on keys any row in [m0, m1) can see
-  kv_begin(m0, m1)         lowest key any row in [m0, m1) can see
-  full_end(m0, m1)         every key in [full_begin, full_end) is visible to every row
-  full_begin(m0, m1)       in [m0, m1): blocks inside that range skip per-element masking
+  visible          the element predicate, C++ over q_idx, kv_idx, q_len, kv_len, b, h; evaluated
+                   only in key blocks that need it
+  classify         C++ interval arithmetic: is a (query rows x keys) rectangle empty (0), partly
+                   visible (1) or full (2)? A CTA scans its key blocks with it once, so empty
+                   blocks are never loaded and full ones never masked per element
+  closed           for `none` and `causal`: the same classification in closed form over the
+                   query rows [m0, m1) (no scan); tests hold it to the generic one
+  dense_visible    the same predicate for the reference, on broadcastable torch tensors
 
-From those the kernel classifies each (query block, key block) pair as empty
-(never loaded), full (no masking) or partial (masked per element). The same
-predicate, evaluated densely, is the reference's mask, so kernel and reference
-cannot drift apart. Sliding windows, documents and custom expressions plug in
-here as further MaskLowering entries.
+The kernel and the reference read one compiled expression, so they cannot drift apart.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
+
+# The built-ins, for messages (docs/masks.md defines each in the language itself).
+BUILTINS = ("none", "causal", "sliding_window(left, right)", "chunked(size)", "prefix_lm(n)")
+ALLOWED = "a mask expression (docs/masks.md), e.g. " + ", ".join(BUILTINS)
+# Masks of every kind, for tests and examples.
+EXAMPLES = ("none", "causal", "sliding_window(128, 0)", "chunked(64)", "prefix_lm(16)",
+            "causal and sliding_window(100, 0)", "kv_idx % 3 != 1 or q_idx == kv_idx")
+
+
+@dataclass(frozen=True)
+class ClosedForm:
+    """Bounds over the query rows [m0, m1) in closed form: C++ for the kernel, Python for the model."""
+
+    cuda: tuple[str, str, str, str]  # kv_begin, kv_end, full_begin, full_end over (m0, m1, Sq, Sk)
+    python: Callable[[int, int, int, int], tuple[int, int, int, int]]
+
+
+# Bottom-right aligned causal (FlashAttention's convention): query q sees keys k <= q + (Sk - Sq).
+CLOSED_FORMS = {
+    "none": ClosedForm(("0", "Sk", "0", "Sk"), lambda m0, m1, Sq, Sk: (0, Sk, 0, Sk)),
+    "causal": ClosedForm(
+        ("0", "min(Sk, max(0, m1 + (Sk - Sq)))", "0", "min(Sk, max(0, m0 + 1 + (Sk - Sq)))"),
+        lambda m0, m1, Sq, Sk: (0, min(Sk, max(0, m1 + Sk - Sq)), 0, min(Sk, max(0, m0 + 1 + Sk - Sq)))),
+}
 
 
 @dataclass(frozen=True)
 class MaskLowering:
-    name: str
-    # CUDA expressions over (q, k, Sq, Sk) and (m0, m1, Sq, Sk); all ints.
+    text: str  # the canonical expression: what a spec stores
+    slug: str  # for kernel names: the built-in and its parameters, or expr_<hash>
     visible: str
-    kv_begin: str
-    kv_end: str
-    full_begin: str
-    full_end: str
-    # The same predicate for the reference: takes broadcastable integer arrays.
-    dense_visible: Callable
+    classify: str
+    preamble: str
+    closed: tuple[str, str, str, str] | None
+    program: Any  # the compiled attngen.maskc program
+
+    @property
+    def name(self) -> str:
+        return self.slug
+
+    def dense_visible(self, q_idx, kv_idx, Sq: int, Sk: int, b=0, h=0):
+        """The predicate on broadcastable torch integer tensors (the reference's mask)."""
+        return self.program.dense(q_idx, kv_idx, Sq, Sk, b=b, h=h)
 
 
-MASKS: dict[str, MaskLowering] = {}
+    def closed_bounds(self, m0: int, m1: int, Sq: int, Sk: int) -> tuple[int, int, int, int]:
+        return CLOSED_FORMS[self.text].python(m0, m1, Sq, Sk)
+
+    def bounds(self, m0: int, m1: int, Sq: int, Sk: int, block_n: int, b: int = 0,
+               h: int = 0) -> tuple[int, int, int, int]:
+        """(kv_begin, kv_end, full_begin, full_end) for query rows [m0, m1), as the kernel computes them."""
+        if self.closed is not None:
+            return self.closed_bounds(m0, m1, Sq, Sk)
+        return scan_bounds(lambda n0, n1: self.program.classify(m0, m1 - 1, n0, n1 - 1, Sq, Sk, b=b, h=h),
+                           Sk, block_n)
 
 
-def register(mask: MaskLowering) -> MaskLowering:
-    MASKS[mask.name] = mask
-    return mask
+_CLASS = {"empty": 0, "partial": 1, "full": 2}
 
 
-register(
-    MaskLowering(
-        name="none",
-        visible="true",
-        kv_begin="0",
-        kv_end="Sk",
-        full_begin="0",
-        full_end="Sk",
-        dense_visible=lambda q, k, Sq, Sk: (q >= 0) & (k >= 0),
-    )
-)
-
-# Bottom-right aligned: query q sees keys k <= q + Sk - Sq (FlashAttention convention).
-register(
-    MaskLowering(
-        name="causal",
-        visible="k <= q + (Sk - Sq)",
-        kv_begin="0",
-        kv_end="min(Sk, max(0, m1 + (Sk - Sq)))",
-        full_begin="0",
-        full_end="min(Sk, max(0, m0 + 1 + (Sk - Sq)))",
-        dense_visible=lambda q, k, Sq, Sk: k <= q + (Sk - Sq),
-    )
-)
+def scan_bounds(classify: Callable[[int, int], str], Sk: int, block_n: int) -> tuple[int, int, int, int]:
+    """mask.cuh.j2's bounds(): one pass over the key blocks [n0, n1); the first and last not empty,
+    and the first run of full ones."""
+    kv_begin = kv_end = full_begin = full_end = 0
+    seen = in_run = run_over = False
+    for n0 in range(0, Sk, block_n):
+        n1 = min(n0 + block_n, Sk)
+        c = _CLASS[classify(n0, n1)]
+        if c != 0:
+            if not seen:
+                kv_begin = n0
+            seen, kv_end = True, n1
+        if c == 2 and not run_over:
+            if not in_run:
+                full_begin = n0
+            in_run, full_end = True, n1
+        elif in_run:
+            in_run, run_over = False, True
+    return kv_begin, kv_end, full_begin, full_end
 
 
-def get_mask(name: str) -> MaskLowering:
+@functools.lru_cache(maxsize=1024)
+def get_mask(text: str) -> MaskLowering:
+    """The lowering of a mask's text; ValueError naming mask= and what is allowed otherwise."""
+    from attngen import maskc
+    from attngen.maskc.parse import parse
+
+    if not isinstance(text, str):
+        raise ValueError(f"mask={text!r} is invalid; allowed: {ALLOWED}")
     try:
-        return MASKS[name]
-    except KeyError:
-        raise ValueError(f"mask={name!r} is not a known mask; allowed: {sorted(MASKS)}") from None
+        program = maskc.compile_mask(text)
+        builtin = parse(text, "mask").builtin
+    except maskc.ExprError as exc:
+        raise ValueError(f"mask={text!r} is invalid: {exc}; allowed: {ALLOWED}") from None
+    if program.inputs:
+        names = ", ".join(name for name, _ in program.inputs)
+        raise ValueError(f"mask={text!r} reads runtime inputs ({names}); masks that read tensors or scalars at "
+                         "run time are not supported yet: write the values into the expression")
+    # A spec keeps a single built-in as its call ("causal", "sliding_window(128, 0)"), else the
+    # canonical expression: the same mask always has the same spec key.
+    if builtin is not None:
+        name, values = builtin
+        canonical = name if not values else f"{name}({', '.join(repr(v) for v in values)})"
+    else:
+        canonical = program.canonical
+    closed = CLOSED_FORMS.get(canonical)
+    return MaskLowering(canonical, program.slug, program.cuda_visible(), program.cuda_classify(),
+                        maskc.cuda_preamble(), closed.cuda if closed else None, program)
+
+
+def mask_problem(problem) -> str | None:
+    """Why a problem's mask cannot be lowered (None when it can): for a family's supports()."""
+    try:
+        get_mask(problem.mask)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def canonical(text: str) -> str:
+    """The canonical text of a mask (what AttentionSpec stores); ValueError as get_mask."""
+    return get_mask(text).text

@@ -33,7 +33,7 @@ def attention(
 ):
     """softmax(scale * q k^T + mask) v; returns out, or (out, lse) when return_lse."""
     ratio = _check_inputs(q, k, v, gqa_ratio, compute_dtype)
-    lowering = get_mask(mask)  # raises ValueError naming mask= and the known masks
+    lowering = get_mask(mask)  # raises ValueError naming mask= and what is allowed
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     scale = _check_scale(softmax_scale, D)
@@ -44,10 +44,13 @@ def attention(
     vg = v.to(compute_dtype).permute(0, 2, 1, 3)
     scores = torch.einsum("bgrqd,bgkd->bgrqk", qg, kg) * scale
 
+    # The mask over (batch, kv head, query head in group, row, key): query head h = g * ratio + r.
     q_idx = torch.arange(Sq, device=q.device)[:, None]
     kv_idx = torch.arange(Sk, device=q.device)[None, :]
-    visible = torch.broadcast_to(torch.as_tensor(lowering.dense_visible(q_idx, kv_idx, Sq, Sk)), (Sq, Sk))
-    scores = scores.masked_fill(~visible, -math.inf)
+    b = torch.arange(B, device=q.device)[:, None, None, None, None]
+    h = torch.arange(Hq, device=q.device).reshape(1, Hkv, ratio, 1, 1)
+    visible = torch.as_tensor(lowering.dense_visible(q_idx, kv_idx, Sq, Sk, b=b, h=h), device=q.device)
+    scores = scores.masked_fill(~torch.broadcast_to(visible, scores.shape), -math.inf)
 
     lse = torch.logsumexp(scores, dim=-1)  # -inf for a row with no visible key
     # Subtracting a -inf LSE would give NaN; with 0 instead every exp(-inf) is exactly 0.

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 from attngen.dtypes import DTYPES
 from attngen.errors import SpecError
-from attngen.masks import MASKS
+from attngen import masks
 
 HEAD_DIMS = (64, 96, 128, 256)
 # Query heads per kv head; the grid holds at most 65535 query heads.
@@ -82,7 +82,9 @@ class Problem:
 
     def label(self) -> str:
         """The problem in identifiers: causal_d128_gqa4_bf16 (and the scale's float32 bits, when set)."""
-        parts = [self.mask, f"d{self.head_dim}", f"gqa{self.gqa_ratio}", self.dtype]
+        from attngen.masks import get_mask
+
+        parts = [get_mask(self.mask).slug, f"d{self.head_dim}", f"gqa{self.gqa_ratio}", self.dtype]
         if self.softmax_scale is not None:
             # float32 bits keep the name exact and a valid C identifier.
             parts.append("scale" + struct.pack(">f", self.softmax_scale).hex())
@@ -155,7 +157,13 @@ class AttentionSpec:
             hint = "" if _is_int(self.gqa_ratio) else _type_hint(self.gqa_ratio, "an integer")
             fail("gqa_ratio", f"gqa_ratio={show(self.gqa_ratio)} is invalid{hint}; allowed: an integer in "
                               f"[1, {MAX_GQA_RATIO}]")
-        choice("mask", tuple(MASKS))
+        if not isinstance(self.mask, str):
+            fail("mask", f"mask={show(self.mask)} is invalid{_type_hint(self.mask, 'a string')}; allowed: {masks.ALLOWED}")
+        else:
+            try:
+                object.__setattr__(self, "mask", masks.canonical(self.mask))
+            except ValueError as exc:
+                fail("mask", str(exc))
         if self.softmax_scale is not None:
             ok = isinstance(self.softmax_scale, (int, float)) and not isinstance(self.softmax_scale, bool)
             # The kernel and the name take the scale as float32: it must be a positive normal float32.

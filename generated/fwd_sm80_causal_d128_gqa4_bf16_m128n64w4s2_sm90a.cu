@@ -93,13 +93,56 @@ constexpr bool Q_IN_REGS = false;
 constexpr bool ROW_SUMS_IN_SMEM = true;
 }  // namespace cfg
 
-// Mask "causal", lowered by attngen/masks.py.
+// Mask causal: causal
+// Lowered by attngen/masks.py from its expression (attngen/maskc): the element predicate, and the
+// classification of a (query rows, key block) rectangle as empty, partial or full that decides
+// which key blocks a CTA loads and which it masks per element.
 namespace mask {
-__device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk) { return k <= q + (Sk - Sq); }
-__device__ __forceinline__ int kv_begin(int m0, int m1, int Sq, int Sk) { return 0; }
-__device__ __forceinline__ int kv_end(int m0, int m1, int Sq, int Sk) { return min(Sk, max(0, m1 + (Sk - Sq))); }
-__device__ __forceinline__ int full_begin(int m0, int m1, int Sq, int Sk) { return 0; }
-__device__ __forceinline__ int full_end(int m0, int m1, int Sq, int Sk) { return min(Sk, max(0, m0 + 1 + (Sk - Sq))); }
+#ifndef ATTNGEN_MASKC_PREAMBLE
+#define ATTNGEN_MASKC_PREAMBLE
+// Python's floor division and modulo for a positive divisor d (C++ truncates toward zero).
+__host__ __device__ __forceinline__ long long maskc_floordiv(long long a, long long d) {
+    long long q = a / d;
+    return (a % d < 0) ? q - 1 : q;
+}
+__host__ __device__ __forceinline__ long long maskc_mod(long long a, long long d) {
+    long long r = a % d;
+    return r < 0 ? r + d : r;
+}
+__host__ __device__ __forceinline__ long long maskc_min(long long a, long long b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ long long maskc_max(long long a, long long b) { return a > b ? a : b; }
+__host__ __device__ __forceinline__ long long maskc_abs(long long a) { return a < 0 ? -a : a; }
+// The same on int, where the emitter proved every value fits in int32 (d > 0, |a| < 2^31).
+__host__ __device__ __forceinline__ int maskc_floordiv32(int a, int d) {
+    int q = a / d;
+    return (a % d < 0) ? q - 1 : q;
+}
+__host__ __device__ __forceinline__ int maskc_mod32(int a, int d) {
+    int r = a % d;
+    return r < 0 ? r + d : r;
+}
+__host__ __device__ __forceinline__ int maskc_min32(int a, int b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ int maskc_max32(int a, int b) { return a > b ? a : b; }
+__host__ __device__ __forceinline__ int maskc_abs32(int a) { return a < 0 ? -a : a; }
+#endif
+
+// [kv_begin, kv_end): the keys that may be visible to some row of [m0, m1); every key block inside
+// [full_begin, full_end) is visible to every row, so it skips per-element masking.
+struct Bounds {
+    int kv_begin, kv_end, full_begin, full_end;
+};
+
+__device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch, int head) {
+    const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
+    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h;
+    return (kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len))))));
+}
+
+// Closed forms of the classification (attngen/masks.py; tests hold them to the generic one).
+__device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int) {
+    return {0, min(Sk, max(0, m1 + (Sk - Sq))), 0, min(Sk, max(0, m0 + 1 + (Sk - Sq)))};
+}
+
 }  // namespace mask
 
 
@@ -155,8 +198,8 @@ static_assert(__builtin_offsetof(FwdParams, scale_log2) == 152, "host and device
 
 // ---- flash_fwd.cuh: FlashAttention-2 forward for one (query block, query head, batch) per CTA ----
 // Needs, from the rendered template: struct FwdParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N, SUB_N, NUM_WARPS,
-// NUM_STAGES, GQA_RATIO, Q_IN_REGS, ROW_SUMS_IN_SMEM, IS_BF16, elem_t } and namespace mask { visible,
-// kv_begin, kv_end, full_begin, full_end } (see attngen/masks.py for their meaning).
+// NUM_STAGES, GQA_RATIO, Q_IN_REGS, ROW_SUMS_IN_SMEM, IS_BF16, elem_t } and namespace mask { Bounds,
+// bounds, visible } (attngen/cuda/mask.cuh.j2; attngen/masks.py says what they mean).
 
 namespace fa {
 
@@ -255,8 +298,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
     // Block classification from the mask: [n_begin, n_end) may hold visible keys; a block
     // inside [full_lo, full_hi) is visible to every row here and skips per-element masking.
-    const int kv_lo = mask::kv_begin(m0, m1, Sq, Sk), kv_hi = mask::kv_end(m0, m1, Sq, Sk);
-    const int full_lo = mask::full_begin(m0, m1, Sq, Sk), full_hi = mask::full_end(m0, m1, Sq, Sk);
+    const mask::Bounds bounds = mask::bounds(m0, m1, Sq, Sk, batch, head);
+    const int kv_lo = bounds.kv_begin, kv_hi = bounds.kv_end, full_lo = bounds.full_begin, full_hi = bounds.full_end;
     const int n_begin = kv_lo / BLOCK_N;
 #ifdef ATTNGEN_FAULT_DROP_LAST_PARTIAL_KV_TILE
     const int n_end = kv_hi > kv_lo ? kv_hi / BLOCK_N : n_begin;  // injected fault: floor drops a partial block
@@ -394,7 +437,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
-                            if (!(k < Sk && mask::visible(q, k, Sq, Sk))) s_acc[mt][nt][i] = NEG_INF;
+                            if (!(k < Sk && mask::visible(q, k, Sq, Sk, batch, head))) s_acc[mt][nt][i] = NEG_INF;
                         }
             }
 

@@ -42,9 +42,9 @@ def family_specs(gpu_family: str, runner) -> list[AttentionSpec]:
 def test_real_kernels_pass_a_short_fuzz(gpu_family):
     runner = KernelRunner()
     specs = family_specs(gpu_family, runner)
-    outcome = search(specs, runner, examples=300, seed=0, limits=LIMITS)
+    outcome = search(specs, runner, examples=600, seed=0, limits=LIMITS)
     assert outcome.failure is None, outcome.failure.describe()
-    assert outcome.cases == 300 and set(outcome.kernels) == {runner.kernel_name(s) for s in specs}
+    assert outcome.cases == 600 and set(outcome.kernels) == {runner.kernel_name(s) for s in specs}
     assert all(name.startswith(f"{gpu_family}_") for name in outcome.kernels)
 
 

@@ -201,20 +201,25 @@ def test_model_sees_wave_tails():
     assert one_more > 1.8 * full - 0.01  # one CTA past a full wave costs a whole wave
 
 
-def test_key_blocks_match_the_dense_mask():
+@pytest.mark.parametrize("text", ["causal", "sliding_window(100, 3)"])
+def test_key_blocks_match_the_dense_mask(text):
+    import torch
+
     from attngen.tune.model import key_blocks
 
-    mask = get_mask("causal")
+    mask = get_mask(text)
     for sq, sk in ((1000, 1000), (300, 40), (129, 1000)):
         got = key_blocks(mask, 64, 32, Shape(1, sq, sk, 1))
+        dense = torch.broadcast_to(mask.dense_visible(torch.arange(sq)[:, None], torch.arange(sk)[None, :], sq, sk),
+                                   (sq, sk))
         for idx, m_block in enumerate(reversed(range(math.ceil(sq / 64)))):
-            rows = range(m_block * 64, min(m_block * 64 + 64, sq))
-            blocks = {k // 32 for q in rows for k in range(sk) if mask.dense_visible(q, k, sq, sk)}
-            full = {n for n in blocks if all(mask.dense_visible(q, k, sq, sk) for q in rows
-                                             for k in range(n * 32, n * 32 + 32)) and n * 32 + 32 <= sk}
+            rows = dense[m_block * 64:m_block * 64 + 64]
+            blocks = [n for n in range(math.ceil(sk / 32)) if rows[:, n * 32:n * 32 + 32].any()]
+            full = {n for n in blocks if rows[:, n * 32:n * 32 + 32].all() and n * 32 + 32 <= sk}
             n_loaded, n_partial = got[idx]
-            assert n_loaded == (max(blocks) + 1 if blocks else 0), (sq, sk, m_block)
-            assert n_partial == n_loaded - len(full), (sq, sk, m_block)
+            span = max(blocks) - min(blocks) + 1 if blocks else 0  # loaded: first to last non-empty block
+            assert n_loaded == span, (text, sq, sk, m_block)
+            assert n_partial == n_loaded - len(full), (text, sq, sk, m_block)
 
 
 def test_ranking_puts_survivors_first_in_predicted_order():

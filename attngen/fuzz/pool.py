@@ -1,8 +1,8 @@
 """The specs a fuzz run draws from, asked of the kernel families: the built-in pool and random specs.
 
 The built-in pool for a target (the GPU the runner compiles for):
-  - for each problem of PROBLEMS (every head dim, both dtypes, both masks, GQA ratios 1, 2 and
-    4, an explicit softmax_scale) and each registered family that supports it on the target, a
+  - for each problem of PROBLEMS (every head dim, both dtypes, none, causal and compiled masks,
+    GQA ratios 1, 2 and 4, an explicit softmax_scale) and each registered family that supports it on the target, a
     spec pinned to that family, with the family's default config;
   - EXTRA_CONFIGS non-default configs per family, on problems spread over PROBLEMS, each taken
     from family.configs() among those the family plans on the target: the one that adds the most
@@ -26,7 +26,6 @@ from attngen import families
 from attngen.dtypes import DTYPES
 from attngen.errors import SpecError
 from attngen.families.base import Config, KernelFamily, Plan
-from attngen.masks import MASKS
 from attngen.spec import HEAD_DIMS, AttentionSpec, Problem
 from attngen.targets import Target
 
@@ -40,6 +39,12 @@ PROBLEMS = (
     Problem(256, "fp16", gqa_ratio=2),
     Problem(96, "bf16"),
     Problem(64, "fp16", gqa_ratio=4, mask="causal", softmax_scale=0.0625),
+    # Compiled masks (docs/masks.md): a window, chunks under causal, a prefix, an expression of b and h.
+    Problem(128, "bf16", mask="sliding_window(200, 0)"),
+    Problem(128, "bf16", gqa_ratio=4, mask="sliding_window(4095, 0)"),
+    Problem(64, "fp16", gqa_ratio=2, mask="chunked(96) and causal"),
+    Problem(96, "bf16", mask="prefix_lm(40)"),
+    Problem(128, "fp16", gqa_ratio=2, mask="(q_idx + 2 * kv_idx) % 7 != 3 or h == 1 or b == 2"),
 )
 EXTRA_CONFIGS = 3  # non-default configs per family
 RANDOM_GQA_RATIOS = (1, 2, 3, 4, 8)
@@ -106,12 +111,26 @@ def _extra_specs(family: KernelFamily, target: Target) -> list[AttentionSpec]:
     return chosen
 
 
+def random_mask(rng: random.Random) -> str:
+    """none or causal half the time, else a built-in with random parameters, possibly combined."""
+    choices = [
+        lambda: rng.choice(("none", "causal")),
+        lambda: f"sliding_window({rng.randint(0, 300)}, {rng.choice((0, 0, rng.randint(0, 100)))})",
+        lambda: f"chunked({rng.randint(1, 300)})",
+        lambda: f"prefix_lm({rng.randint(0, 200)})",
+        lambda: f"causal and sliding_window({rng.randint(0, 300)}, 0)",
+        lambda: f"chunked({rng.randint(1, 300)}) and causal",
+        lambda: f"kv_idx % {rng.randint(1, 9)} != {rng.randint(0, 3)} or q_idx < {rng.randint(0, 50)}",
+    ]
+    return choices[0]() if rng.random() < 0.5 else rng.choice(choices[1:])()
+
+
 def random_spec(rng: random.Random, target: Target) -> AttentionSpec:
     """A random problem, pinned to a random family that supports it on `target`, three times in four
     with a random config of that family; always one the dispatcher plans on `target`."""
     for _ in range(RANDOM_TRIES):
         problem = Problem(head_dim=rng.choice(HEAD_DIMS), dtype=rng.choice(sorted(DTYPES)),
-                          gqa_ratio=rng.choice(RANDOM_GQA_RATIOS), mask=rng.choice(sorted(MASKS)),
+                          gqa_ratio=rng.choice(RANDOM_GQA_RATIOS), mask=random_mask(rng),
                           softmax_scale=rng.choice(RANDOM_SOFTMAX_SCALES) if rng.random() < 0.25 else None)
         supporting = families.supporting(problem, target)
         if not supporting:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-import re
 from dataclasses import dataclass
 
 from attngen.flops import forward_flops
@@ -132,33 +131,16 @@ class Estimate:
 
 
 # -- key blocks per query block, from the mask's own lowering -------------------------------
-_MASK_EXPR = re.compile(r"^[\s0-9A-Za-z_+\-*/(),]*$")
-_MASK_NAMES = {"min", "max", "m0", "m1", "Sq", "Sk"}
-
-
-def _mask_bound(expr: str):
-    """A Python function of (m0, m1, Sq, Sk) for one of the mask's CUDA bound expressions
-    (attngen/masks.py); our own strings, checked against a whitelist before use."""
-    names = set(re.findall(r"[A-Za-z_]\w*", expr))
-    if not _MASK_EXPR.match(expr) or not names <= _MASK_NAMES:
-        raise ValueError(f"mask bound {expr!r} uses more than {sorted(_MASK_NAMES)}: extend the model")
-    code = compile(expr.replace("/", "//"), "<mask bound>", "eval")
-    return lambda m0, m1, Sq, Sk: eval(code, {"__builtins__": {}, "min": min, "max": max},  # noqa: S307
-                                       {"m0": m0, "m1": m1, "Sq": Sq, "Sk": Sk})
-
-
 def key_blocks(mask: MaskLowering, block_m: int, block_n: int, shape: Shape) -> list[tuple[int, int]]:
-    """(loaded key blocks, of which partially masked) for each query block, longest first."""
+    """(loaded key blocks, of which partially masked) for each query block, longest first, as the
+    kernel classifies them (attngen/masks.py bounds(); batch 0, head 0 stand for all)."""
     bm, bn, Sq, Sk = block_m, block_n, shape.seqlen_q, shape.seqlen_k
-    lo_f, hi_f = _mask_bound(mask.kv_begin), _mask_bound(mask.kv_end)
-    full_lo_f, full_hi_f = _mask_bound(mask.full_begin), _mask_bound(mask.full_end)
     out = []
     for m_block in reversed(range(-(-Sq // bm))):
         m0, m1 = m_block * bm, min(m_block * bm + bm, Sq)
-        lo, hi = lo_f(m0, m1, Sq, Sk), hi_f(m0, m1, Sq, Sk)
+        lo, hi, full_lo, full_hi = mask.bounds(m0, m1, Sq, Sk, bn)
         begin = lo // bn
         end = -(-hi // bn) if hi > lo else begin
-        full_lo, full_hi = full_lo_f(m0, m1, Sq, Sk), full_hi_f(m0, m1, Sq, Sk)
         # Blocks wholly inside [full_lo, full_hi) skip per-element masking; a ragged last
         # block is always masked (keys past Sk).
         full = max(0, min(end, min(full_hi, Sk) // bn) - max(begin, -(-full_lo // bn)))

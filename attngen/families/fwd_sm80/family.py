@@ -24,7 +24,7 @@ from attngen.codegen.abi import Abi, Param
 from attngen.errors import SpecError
 from attngen.faults import check_fault
 from attngen.families.base import Config, ForwardCall, ForwardPlan, KernelFamily, KernelPlan, Launch
-from attngen.masks import MASKS, get_mask
+from attngen.masks import get_mask, mask_problem
 from attngen.spec import HEAD_DIMS, Problem
 from attngen.targets import Target
 
@@ -131,9 +131,9 @@ class Sm80Forward(KernelFamily):
     def supports(self, problem: Problem, target: Target) -> str | None:
         if target.cc < 80:
             return f"needs sm_80 or newer, not {target.name}"
-        if problem.head_dim not in HEAD_DIMS or problem.mask not in MASKS:
-            return f"head_dim {problem.head_dim} / mask {problem.mask!r} is not one this template supports"
-        return None
+        if problem.head_dim not in HEAD_DIMS:
+            return f"head_dim {problem.head_dim} is not one of {HEAD_DIMS}"
+        return mask_problem(problem)
 
     def check_config(self, config: Mapping[str, Any]) -> list[str]:
         problems = super().check_config(config)

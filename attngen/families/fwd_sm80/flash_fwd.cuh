@@ -1,7 +1,7 @@
 // ---- flash_fwd.cuh: FlashAttention-2 forward for one (query block, query head, batch) per CTA ----
 // Needs, from the rendered template: struct FwdParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N, SUB_N, NUM_WARPS,
-// NUM_STAGES, GQA_RATIO, Q_IN_REGS, ROW_SUMS_IN_SMEM, IS_BF16, elem_t } and namespace mask { visible,
-// kv_begin, kv_end, full_begin, full_end } (see attngen/masks.py for their meaning).
+// NUM_STAGES, GQA_RATIO, Q_IN_REGS, ROW_SUMS_IN_SMEM, IS_BF16, elem_t } and namespace mask { Bounds,
+// bounds, visible } (attngen/cuda/mask.cuh.j2; attngen/masks.py says what they mean).
 
 namespace fa {
 
@@ -100,8 +100,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
     // Block classification from the mask: [n_begin, n_end) may hold visible keys; a block
     // inside [full_lo, full_hi) is visible to every row here and skips per-element masking.
-    const int kv_lo = mask::kv_begin(m0, m1, Sq, Sk), kv_hi = mask::kv_end(m0, m1, Sq, Sk);
-    const int full_lo = mask::full_begin(m0, m1, Sq, Sk), full_hi = mask::full_end(m0, m1, Sq, Sk);
+    const mask::Bounds bounds = mask::bounds(m0, m1, Sq, Sk, batch, head);
+    const int kv_lo = bounds.kv_begin, kv_hi = bounds.kv_end, full_lo = bounds.full_begin, full_hi = bounds.full_end;
     const int n_begin = kv_lo / BLOCK_N;
 #ifdef ATTNGEN_FAULT_DROP_LAST_PARTIAL_KV_TILE
     const int n_end = kv_hi > kv_lo ? kv_hi / BLOCK_N : n_begin;  // injected fault: floor drops a partial block
@@ -239,7 +239,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
-                            if (!(k < Sk && mask::visible(q, k, Sq, Sk))) s_acc[mt][nt][i] = NEG_INF;
+                            if (!(k < Sk && mask::visible(q, k, Sq, Sk, batch, head))) s_acc[mt][nt][i] = NEG_INF;
                         }
             }
 

@@ -28,7 +28,7 @@ from attngen.errors import SpecError
 from attngen.faults import check_fault
 from attngen.families.base import Config, ForwardCall, ForwardPlan, KernelFamily, KernelPlan, Launch
 from attngen.families.fwd_sm90 import tma
-from attngen.masks import MASKS, get_mask
+from attngen.masks import get_mask, mask_problem
 from attngen.spec import Problem
 from attngen.targets import Target
 
@@ -144,9 +144,7 @@ class Sm90Forward(KernelFamily):
             return f"needs sm_90a (H100, H200): wgmma and setmaxnreg do not exist on {target.name}"
         if problem.head_dim not in HEAD_DIMS:
             return f"head_dim {problem.head_dim} is not one of {HEAD_DIMS}"
-        if problem.mask not in MASKS:
-            return f"mask {problem.mask!r} is not lowered for this family"
-        return None
+        return mask_problem(problem)
 
     def check_config(self, config: Mapping[str, Any]) -> list[str]:
         problems = super().check_config(config)

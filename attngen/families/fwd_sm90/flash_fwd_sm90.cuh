@@ -17,7 +17,7 @@
 // blocks it makes full are never masked per element.
 // Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_N,
 // CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PERSISTENT, SET_MAX_REGS, PRODUCER_REGS,
-// CONSUMER_REGS, IS_BF16 }, namespace mask { visible, kv_begin, kv_end, full_begin, full_end },
+// CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
 // and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS).
 
 namespace fa90 {
@@ -91,18 +91,19 @@ struct Blocks {
     }
 };
 
-__device__ __forceinline__ Blocks kv_blocks(int m0, int m1, int Sq, int Sk) {
-    if (m0 >= Sq) return {0, 0, 0, 0};  // a phantom block past the last row
-    const int kv_lo = mask::kv_begin(m0, m1, Sq, Sk), kv_hi = mask::kv_end(m0, m1, Sq, Sk);
+__device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
+    const int m0 = tile.m_block * BLOCK_M, m1 = min(m0 + BLOCK_M, p.Sq);
+    if (m0 >= p.Sq) return {0, 0, 0, 0};  // a phantom block past the last row
+    const mask::Bounds mb = mask::bounds(m0, m1, p.Sq, p.Sk, tile.batch, tile.head);
     Blocks b;
-    b.n_begin = kv_lo / BLOCK_N;
+    b.n_begin = mb.kv_begin / BLOCK_N;
 #ifdef ATTNGEN_FAULT_DROP_LAST_PARTIAL_KV_TILE
-    b.n_end = kv_hi > kv_lo ? kv_hi / BLOCK_N : b.n_begin;  // injected fault: floor drops a partial block
+    b.n_end = mb.kv_end > mb.kv_begin ? mb.kv_end / BLOCK_N : b.n_begin;  // injected fault: floor drops a partial block
 #else
-    b.n_end = kv_hi > kv_lo ? (kv_hi + BLOCK_N - 1) / BLOCK_N : b.n_begin;
+    b.n_end = mb.kv_end > mb.kv_begin ? (mb.kv_end + BLOCK_N - 1) / BLOCK_N : b.n_begin;
 #endif
-    b.full_lo = mask::full_begin(m0, m1, Sq, Sk);
-    b.full_hi = min(mask::full_end(m0, m1, Sq, Sk), Sk);  // a ragged last block is always masked
+    b.full_lo = mb.full_begin;
+    b.full_hi = min(mb.full_end, p.Sk);  // a ragged last block is always masked
     return b;
 }
 
@@ -116,7 +117,7 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
     for (int j = 0, t = tile_index(0, tiles); t < tiles; t = tile_index(++j, tiles)) {
         const Tile tile = tile_of(p, t);
         const int m0 = tile.m_block * BLOCK_M, kv_head = tile.head / GQA_RATIO;  // query head h reads kv head h // ratio
-        const Blocks b = kv_blocks(m0, min(m0 + BLOCK_M, p.Sq), p.Sq, p.Sk);
+        const Blocks b = kv_blocks(p, tile);
         const int qb = j % Q_BUFFERS;
         // The consumers free a Q buffer once its tile's output, staged there, has been stored.
         mbar_wait(smem_u32(&pipe.q_empty[qb]), ((j / Q_BUFFERS) & 1) ^ 1);
@@ -169,12 +170,13 @@ __device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&pf)[PK]
 }
 
 // Accumulator element i of this thread: row +8 when bit 1 of i is set, column 8 (i / 4) + 2 (lane % 4) + (i % 2).
-__device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0, int Sq, int Sk, int lane) {
+__device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0, const Params& p, const Tile& tile,
+                                           int lane) {
     const int k0 = n0 + 2 * (lane % 4);
 #pragma unroll
     for (int i = 0; i < S_REGS; ++i) {
         const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
-        if (!(k < Sk && mask::visible(q, k, Sq, Sk))) s[i] = NEG_INF;
+        if (!(k < p.Sk && mask::visible(q, k, p.Sq, p.Sk, tile.batch, tile.head))) s[i] = NEG_INF;
     }
 }
 
@@ -234,10 +236,8 @@ struct Turns {
 
 // Whether this CTA has a tile after its round j with key blocks to visit (its GEMM turns are not over).
 __device__ __forceinline__ bool more_work(const Params& p, int j, int tiles) {
-    for (int t = tile_index(++j, tiles); t < tiles; t = tile_index(++j, tiles)) {
-        const int m0 = tile_of(p, t).m_block * BLOCK_M;
-        if (kv_blocks(m0, min(m0 + BLOCK_M, p.Sq), p.Sq, p.Sk).count() > 0) return true;
-    }
+    for (int t = tile_index(++j, tiles); t < tiles; t = tile_index(++j, tiles))
+        if (kv_blocks(p, tile_of(p, t)).count() > 0) return true;
     return false;
 }
 
@@ -278,7 +278,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
             wgmma_wait<0>();
             fence_regs(s);
             release_k(0);
-            if (b.needs_mask(0)) apply_mask(s, row0, b.key0(0), p.Sq, p.Sk, lane);
+            if (b.needs_mask(0)) apply_mask(s, row0, b.key0(0), p, tile, lane);
             softmax_step(s, row_max, row_sum, alpha, p.scale_log2);
             to_operand(pf, s);
 #pragma unroll 1
@@ -292,7 +292,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
                 wgmma_wait<1>();  // S(it) is done; P V may still run
                 fence_regs(s);
                 release_k(it);
-                if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), p.Sq, p.Sk, lane);
+                if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), p, tile, lane);
                 softmax_step(s, row_max, row_sum, alpha, p.scale_log2);
                 wgmma_wait<0>();  // P V is done: O and P may change
                 fence_regs(o);
@@ -317,7 +317,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
                 wgmma_wait<0>();
                 fence_regs(s);
                 release_k(it);
-                if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), p.Sq, p.Sk, lane);
+                if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), p, tile, lane);
                 softmax_step(s, row_max, row_sum, alpha, p.scale_log2);
                 rescale(o, alpha);
                 to_operand(pf, s);
@@ -376,7 +376,7 @@ __device__ __forceinline__ void consume(const Params& p, Pipeline& pipe, u32 sQ,
     for (int j = 0, t = tile_index(0, tiles); t < tiles; t = tile_index(++j, tiles)) {
         const Tile tile = tile_of(p, t);
         const int m0 = tile.m_block * BLOCK_M;
-        const Blocks b = kv_blocks(m0, min(m0 + BLOCK_M, p.Sq), p.Sq, p.Sk);
+        const Blocks b = kv_blocks(p, tile);
         const int qb = j % Q_BUFFERS;
         mbar_wait(smem_u32(&pipe.q_full[qb]), (j / Q_BUFFERS) & 1);
         const bool last_turns = PINGPONG && b.count() > 0 && !more_work(p, j, tiles);

@@ -1,0 +1,59 @@
+"""Compiled masks on a GPU (marker `gpu`), for every kernel family that runs here: every kind of mask
+against the float64 reference at odd lengths, Sq != Sk and GQA; and block skipping observed:
+keys in blocks a mask hides from a whole CTA are never loaded (NaNs there do not reach the output)."""
+
+from __future__ import annotations
+
+import pytest
+
+import attngen
+from attngen import masks, reference, tolerance
+from attngen.spec import AttentionSpec
+
+pytestmark = pytest.mark.gpu
+
+MASKS = masks.EXAMPLES + ("sliding_window(0, 0)", "sliding_window(37, 11)", "chunked(100) and causal",
+                          "(q_idx + 2 * kv_idx) % 7 != 3 or h == 1 or b == 1", "not causal")
+
+
+def _inputs(B, Sq, Sk, Hkv, ratio, D, seed):
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(S, H):
+        return torch.randn(B, S, H, D, generator=gen, device="cuda").to(torch.bfloat16)
+
+    return rand(Sq, Hkv * ratio), rand(Sk, Hkv), rand(Sk, Hkv)
+
+
+@pytest.mark.parametrize("text", MASKS)
+@pytest.mark.parametrize("B,Sq,Sk,Hkv,ratio", [(2, 300, 300, 1, 2), (1, 129, 517, 2, 1), (1, 517, 129, 1, 1)])
+def test_masks_match_the_reference(gpu_family, text, B, Sq, Sk, Hkv, ratio):
+    import torch
+
+    spec = AttentionSpec(head_dim=128, mask=text, gqa_ratio=ratio, family=gpu_family)
+    q, k, v = _inputs(B, Sq, Sk, Hkv, ratio, 128, seed=Sq + Sk)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B, Hkv * ratio, Sq), float("nan"), device="cuda")
+    attngen.compile(spec)(q, k, v, out=out, lse=lse)
+    torch.cuda.synchronize()
+    ref, ref_lse = reference.attention_for_spec(q, k, v, spec, return_lse=True)
+    scale = spec.effective_scale
+    bad = tolerance.check_output(out, ref, q, k, v, "bf16", scale) or tolerance.check_lse(lse, ref_lse, q, k, scale)
+    assert bad is None, f"{spec.name} B={B} Sq={Sq} Sk={Sk}: {bad}"
+
+
+def test_blocks_a_mask_hides_are_never_loaded(gpu_family):
+    import torch
+
+    spec = AttentionSpec(head_dim=64, mask="sliding_window(64, 0)", family=gpu_family)
+    q, k, v = _inputs(1, 2048, 2048, 2, 1, 64, seed=3)
+    clean = v.clone()
+    v[:, :256] = float("nan")  # hidden from every row >= 512 by at least two whole blocks of any size
+    out = attngen.compile(spec)(q, k, v)[0]
+    torch.cuda.synchronize()
+    assert torch.isfinite(out[:, 1024:]).all(), "a key block outside every row's window was loaded"
+    ref = reference.attention_for_spec(q, k, clean, spec)
+    bad = tolerance.check_output(out[:, 1024:], ref[:, 1024:], q[:, 1024:], k, clean, "bf16", spec.effective_scale)
+    assert bad is None, bad
