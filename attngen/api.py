@@ -15,7 +15,7 @@ import functools
 import json
 import sys
 
-from attngen import masks
+from attngen import masks, score_mods
 from attngen.runtime.tensors import torch_stream
 from attngen.spec import HEAD_DIMS, MAX_GQA_RATIO, AttentionSpec
 
@@ -26,9 +26,9 @@ EAGER_DIRECT = True
 _SPEC_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 
 
-def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = None,
+def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = None, score_mod: str | None = None,
               softmax_scale: float | None = None, return_lse: bool = False):
-    """Attention forward, softmax(scale * q k^T + mask) v, in one fused kernel.
+    """Attention forward, softmax(score_mod(scale * q k^T) + mask) v, in one fused kernel.
 
     Args:
         q: (batch, seq_q, heads_q, head_dim) torch CUDA tensor (or CuPy array), fp16 or bf16.
@@ -45,8 +45,12 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
             or "chunked(512)", or an expression over b, h, q_idx, kv_idx, q_len, kv_len such as
             "kv_idx <= q_idx and q_idx - kv_idx < 4096" (docs/masks.md). Compiled into the kernel:
             key blocks it hides are skipped. With a spec, it must agree with the spec's mask.
+        score_mod: None (default), or an expression over score (softmax_scale * q.k) and b, h,
+            q_idx, kv_idx, q_len, kv_len giving the score the softmax sees, applied before the
+            mask: "softcap(30.0)" (Gemma 2: 30 * tanh(score / 30)), "score - 0.25 * abs(q_idx -
+            kv_idx)" (docs/masks.md). With a spec, it must agree with the spec's score_mod.
         softmax_scale: the scale of q k^T; default the spec's, else 1 / sqrt(head_dim).
-        return_lse: also return the log-sum-exp of each row's scaled scores.
+        return_lse: also return the log-sum-exp of each row's scaled (and modified) scores.
 
     Returns:
         out, like q (new, contiguous), in q's dtype; with return_lse, (out, lse) where lse is
@@ -71,48 +75,54 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
                              "torch.no_grad() or detach the inputs")
         if EAGER_DIRECT and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor \
                 and not torch.compiler.is_compiling():
-            out, lse = _eager(torch, q, k, v, spec, mask, softmax_scale)
+            out, lse = _eager(torch, q, k, v, spec, mask, score_mod, softmax_scale)
         else:
-            out, lse = (_OP or register())(q, k, v, _spec_key(q, k, spec, mask), softmax_scale)
+            out, lse = (_OP or register())(q, k, v, _spec_key(q, k, spec, mask, score_mod), softmax_scale)
     else:
         from attngen.runtime.dispatch import forward
 
-        out, lse = forward(q, k, v, _spec_from_key(_spec_key(q, k, spec, mask)), softmax_scale=softmax_scale)
+        out, lse = forward(q, k, v, _spec_from_key(_spec_key(q, k, spec, mask, score_mod)), softmax_scale=softmax_scale)
     return (out, lse) if return_lse else out
 
 
-def _eager(torch, q, k, v, spec, mask, softmax_scale):
+def _eager(torch, q, k, v, spec, mask, score_mod, softmax_scale):
     """The op's implementation for plain tensors, called directly. A layout seen before (same
     arguments, shapes, strides, dtypes, devices; pointers 16-byte aligned) runs its Prepared call
     (attngen/runtime/prepared.py) without repeating the checks: the launch overhead of a tiny call."""
     from attngen.runtime import dispatch
 
     key = None
-    if (mask is None or type(mask) is str) and (softmax_scale is None or type(softmax_scale) in (float, int)) \
+    if (mask is None or type(mask) is str) and (score_mod is None or type(score_mod) is str) \
+            and (softmax_scale is None or type(softmax_scale) in (float, int)) \
             and (spec is None or type(spec) is AttentionSpec):
-        key = (spec, mask, softmax_scale, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype,
+        key = (spec, mask, score_mod, softmax_scale, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype,
                k.device, v.shape, v.stride(), v.dtype, v.device)
         prepared = dispatch.eager_prepared.get(key)
         if prepared is not None and not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16) \
                 and prepared.current():
             return prepared.run_torch(torch, q, k, v, torch_stream(torch, prepared.device))
-    prepared = dispatch.prepare(q, k, v, _spec_from_key(_spec_key(q, k, spec, mask)), softmax_scale)
+    prepared = dispatch.prepare(q, k, v, _spec_from_key(_spec_key(q, k, spec, mask, score_mod)), softmax_scale)
     if key is not None:
         dispatch.remember(dispatch.eager_prepared, key, prepared)
     return prepared.run_torch(torch, q, k, v, torch_stream(torch, prepared.device))
 
 
-def _spec_key(q, k, spec, mask) -> str:
+def _spec_key(q, k, spec, mask, score_mod=None) -> str:
     """The canonical key of the spec a call runs: pure Python over tensor metadata, so torch.compile
     traces it into constants."""
     if spec is not None:
         if not isinstance(spec, AttentionSpec):
             raise ValueError(f"spec must be an attngen.AttentionSpec or None, got {type(spec).__name__}")
-        if mask is not None and _known_mask_texts(mask)[0] != spec.mask:
+        if mask is not None and _known_texts("mask", mask)[0] != spec.mask:
             raise ValueError(f"mask={mask!r} conflicts with the spec's mask={spec.mask!r}; allowed: None or the "
                              "spec's mask")
+        if score_mod is not None and _known_texts("score_mod", score_mod)[0] != spec.score_mod:
+            raise ValueError(f"score_mod={score_mod!r} conflicts with the spec's score_mod={spec.score_mod!r}; "
+                             "allowed: None or the spec's score_mod")
         return spec.key()
-    mask_json = _known_mask_texts("none" if mask is None else mask)[1]  # ValueError naming mask=, what is allowed
+    mask_json = _known_texts("mask", "none" if mask is None else mask)[1]  # ValueError naming mask=, what is allowed
+    # The score modifier's field, when it changes scores (its JSON includes the leading comma).
+    score_json = "" if score_mod is None else _known_texts("score_mod", score_mod)[1]
     for name, t in (("q", q), ("k", k)):
         if len(t.shape) != 4:
             raise ValueError(f"{name} must have 4 dims (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
@@ -127,28 +137,37 @@ def _spec_key(q, k, spec, mask) -> str:
         raise ValueError(f"q has {heads_q} heads and k has {heads_kv}; allowed: heads_q a multiple of heads_kv, "
                          f"at most {MAX_GQA_RATIO} times")
     # AttentionSpec.key()'s canonical JSON, spelled out (fields sorted, no spaces).
-    return f'{{"dtype":"{dtype}","gqa_ratio":{heads_q // heads_kv},"head_dim":{head_dim},"mask":{mask_json}}}'
+    return (f'{{"dtype":"{dtype}","gqa_ratio":{heads_q // heads_kv},"head_dim":{head_dim},"mask":{mask_json}'
+            f'{score_json}}}')
 
 
-def _known_mask_texts(mask) -> tuple[str, str]:
-    """(canonical mask, its JSON string). Parsing an expression is nothing for torch.compile to
-    trace: masks seen before (and none, causal) come from a dict that dynamo reads as constants;
-    others go through _MASK_TEXTS, which register() marks to run once at trace time."""
-    texts = _MASK_CACHE.get(mask) if type(mask) is str else None
-    return texts if texts is not None else _MASK_TEXTS(mask)
-
-
-def _mask_texts(mask) -> tuple[str, str]:
-    canonical = masks.canonical(mask)  # ValueError naming mask= and what is allowed
-    texts = (canonical, json.dumps(canonical))
-    if len(_MASK_CACHE) < MAX_CACHED_MASKS:
-        _MASK_CACHE[mask] = texts
+def _known_texts(kind: str, text) -> tuple[str | None, str]:
+    """(canonical text, its spec-key JSON) of a mask or score modifier (kind "mask" or
+    "score_mod"). Parsing an expression is nothing for torch.compile to trace: texts seen before
+    (and none, causal) come from a dict that dynamo reads as constants; others go through
+    _TEXTS, which register() marks to run once at trace time (the dict grows only eagerly)."""
+    texts = _TEXT_CACHE.get((kind, text)) if type(text) is str else None
+    if texts is None:
+        texts = _TEXTS(kind, text)
+        torch = sys.modules.get("torch")
+        if len(_TEXT_CACHE) < MAX_CACHED_TEXTS and not (torch is not None and torch.compiler.is_compiling()):
+            _TEXT_CACHE[kind, text] = texts
     return texts
 
 
-_MASK_CACHE: dict[str, tuple[str, str]] = {"none": ("none", '"none"'), "causal": ("causal", '"causal"')}
-MAX_CACHED_MASKS = 1024
-_MASK_TEXTS = _mask_texts
+def _texts(kind: str, text) -> tuple[str | None, str]:
+    # ValueError naming mask= / score_mod= and what is allowed.
+    if kind == "mask":
+        canonical = masks.canonical(text)
+        return canonical, json.dumps(canonical)
+    canonical = score_mods.canonical(text)
+    return canonical, "" if canonical is None else f',"score_mod":{json.dumps(canonical)}'
+
+
+_TEXT_CACHE: dict[tuple[str, str], tuple] = {("mask", "none"): ("none", '"none"'),
+                                             ("mask", "causal"): ("causal", '"causal"')}
+MAX_CACHED_TEXTS = 1024
+_TEXTS = _texts
 
 
 @functools.lru_cache(maxsize=4096)
@@ -191,11 +210,11 @@ _OP = None
 def register():
     """Register torch.ops.attngen.forward (done when attngen is imported after torch, else on first use;
     importing attngen needs no torch). Returns the op."""
-    global _OP, _MASK_TEXTS
+    global _OP, _TEXTS
     if _OP is not None:
         return _OP
     torch = _torch()
-    _MASK_TEXTS = torch.compiler.assume_constant_result(_mask_texts)
+    _TEXTS = torch.compiler.assume_constant_result(_texts)
 
     @torch.library.custom_op(OP, mutates_args=(), schema=SCHEMA)
     def forward(q, k, v, spec_key, softmax_scale):

@@ -107,26 +107,18 @@ def scan_bounds(classify: Callable[[int, int], str], Sk: int, block_n: int) -> t
 def get_mask(text: str) -> MaskLowering:
     """The lowering of a mask's text; ValueError naming mask= and what is allowed otherwise."""
     from attngen import maskc
-    from attngen.maskc.parse import parse
 
     if not isinstance(text, str):
         raise ValueError(f"mask={text!r} is invalid; allowed: {ALLOWED}")
     try:
         program = maskc.compile_mask(text)
-        builtin = parse(text, "mask").builtin
+        canonical = maskc.stored_text(text, "mask")
     except maskc.ExprError as exc:
         raise ValueError(f"mask={text!r} is invalid: {exc}; allowed: {ALLOWED}") from None
     if program.inputs:
         names = ", ".join(name for name, _ in program.inputs)
         raise ValueError(f"mask={text!r} reads runtime inputs ({names}); masks that read tensors or scalars at "
                          "run time are not supported yet: write the values into the expression")
-    # A spec keeps a single built-in as its call ("causal", "sliding_window(128, 0)"), else the
-    # canonical expression: the same mask always has the same spec key.
-    if builtin is not None:
-        name, values = builtin
-        canonical = name if not values else f"{name}({', '.join(repr(v) for v in values)})"
-    else:
-        canonical = program.canonical
     closed = CLOSED_FORMS.get(canonical)
     return MaskLowering(canonical, program.slug, program.cuda_visible(), program.cuda_classify(),
                         maskc.cuda_preamble(), closed.cuda if closed else None, program)

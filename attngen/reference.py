@@ -15,6 +15,7 @@ import torch
 
 from attngen.dtypes import torch_dtype
 from attngen.masks import get_mask
+from attngen.score_mods import get_score_mod
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 COMPUTE_DTYPES = (torch.float32, torch.float64)
@@ -30,10 +31,12 @@ def attention(
     gqa_ratio: int | None = None,
     return_lse: bool = False,
     compute_dtype: torch.dtype = torch.float64,
+    score_mod: str | None = None,
 ):
-    """softmax(scale * q k^T + mask) v; returns out, or (out, lse) when return_lse."""
+    """softmax(score_mod(scale * q k^T) + mask) v; returns out, or (out, lse) when return_lse."""
     ratio = _check_inputs(q, k, v, gqa_ratio, compute_dtype)
     lowering = get_mask(mask)  # raises ValueError naming mask= and what is allowed
+    modifier = None if score_mod is None else get_score_mod(score_mod)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     scale = _check_scale(softmax_scale, D)
@@ -49,6 +52,8 @@ def attention(
     kv_idx = torch.arange(Sk, device=q.device)[None, :]
     b = torch.arange(B, device=q.device)[:, None, None, None, None]
     h = torch.arange(Hq, device=q.device).reshape(1, Hkv, ratio, 1, 1)
+    if modifier is not None:
+        scores = modifier.dense(scores, q_idx, kv_idx, Sq, Sk, b=b, h=h)
     visible = torch.as_tensor(lowering.dense_visible(q_idx, kv_idx, Sq, Sk, b=b, h=h), device=q.device)
     scores = scores.masked_fill(~torch.broadcast_to(visible, scores.shape), -math.inf)
 
@@ -66,7 +71,7 @@ def attention(
 def attention_for_spec(
     q, k, v, spec, softmax_scale: float | None = None, return_lse: bool = False, compute_dtype=torch.float64
 ):
-    """attention() with mask, gqa_ratio and scale taken from an AttentionSpec (or its Problem).
+    """attention() with mask, score modifier, gqa_ratio and scale taken from an AttentionSpec (or its Problem).
 
     Inputs may be in the spec's dtype or upcast to float32/float64 (a more exact reference). An
     explicit softmax_scale is held to what a kernel call accepts (attngen/runtime/checks.py).
@@ -82,7 +87,7 @@ def attention_for_spec(
         raise ValueError(f"q.dtype={q.dtype} does not match spec dtype {problem.dtype!r}; allowed: {_names(allowed)}")
     return attention(
         q, k, v, mask=problem.mask, softmax_scale=check_scale(softmax_scale, problem), gqa_ratio=problem.gqa_ratio,
-        return_lse=return_lse, compute_dtype=compute_dtype,
+        return_lse=return_lse, compute_dtype=compute_dtype, score_mod=problem.score_mod,
     )
 
 

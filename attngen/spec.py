@@ -26,14 +26,14 @@ from typing import Any, Iterator
 
 from attngen.dtypes import DTYPES
 from attngen.errors import SpecError
-from attngen import masks
+from attngen import masks, score_mods
 
 HEAD_DIMS = (64, 96, 128, 256)
 # Query heads per kv head; the grid holds at most 65535 query heads.
 MAX_GQA_RATIO = 1024
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
-PROBLEM_FIELDS = ("head_dim", "dtype", "gqa_ratio", "mask", "softmax_scale")
+PROBLEM_FIELDS = ("head_dim", "dtype", "gqa_ratio", "mask", "softmax_scale", "score_mod")
 # Tile fields of attngen 0.1, now config fields of the fwd_sm80 family: named in a clear error.
 LEGACY_TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
@@ -70,6 +70,7 @@ class Problem:
     gqa_ratio: int = 1
     mask: str = "none"
     softmax_scale: float | None = None
+    score_mod: str | None = None  # None: scores as they are
 
     @property
     def scale(self) -> float:
@@ -84,7 +85,11 @@ class Problem:
         """The problem in identifiers: causal_d128_gqa4_bf16 (and the scale's float32 bits, when set)."""
         from attngen.masks import get_mask
 
+        from attngen.score_mods import get_score_mod
+
         parts = [get_mask(self.mask).slug, f"d{self.head_dim}", f"gqa{self.gqa_ratio}", self.dtype]
+        if self.score_mod is not None:
+            parts.insert(1, get_score_mod(self.score_mod).slug)
         if self.softmax_scale is not None:
             # float32 bits keep the name exact and a valid C identifier.
             parts.append("scale" + struct.pack(">f", self.softmax_scale).hex())
@@ -136,6 +141,7 @@ class AttentionSpec:
     family: str | None = None  # None: the dispatcher picks the best family for the GPU
     config: Mapping[str, Any] | None = None  # pinned config fields of `family`
     arch: str | None = None  # stored as the exact compile target, e.g. "sm_90a"
+    score_mod: str | None = None  # an expression over score (docs/masks.md); None: scores as they are
     # Where the spec came from (a file path), used only to make errors name it.
     source: str | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -158,12 +164,22 @@ class AttentionSpec:
             fail("gqa_ratio", f"gqa_ratio={show(self.gqa_ratio)} is invalid{hint}; allowed: an integer in "
                               f"[1, {MAX_GQA_RATIO}]")
         if not isinstance(self.mask, str):
-            fail("mask", f"mask={show(self.mask)} is invalid{_type_hint(self.mask, 'a string')}; allowed: {masks.ALLOWED}")
+            hint = _type_hint(self.mask, "a string")
+            fail("mask", f"mask={show(self.mask)} is invalid{hint}; allowed: {masks.ALLOWED}")
         else:
             try:
                 object.__setattr__(self, "mask", masks.canonical(self.mask))
             except ValueError as exc:
                 fail("mask", str(exc))
+        if self.score_mod is not None:
+            if not isinstance(self.score_mod, str):
+                hint = _type_hint(self.score_mod, "a string")
+                fail("score_mod", f"score_mod={show(self.score_mod)} is invalid{hint}; allowed: {score_mods.ALLOWED}")
+            else:
+                try:
+                    object.__setattr__(self, "score_mod", score_mods.canonical(self.score_mod))
+                except ValueError as exc:
+                    fail("score_mod", str(exc))
         if self.softmax_scale is not None:
             ok = isinstance(self.softmax_scale, (int, float)) and not isinstance(self.softmax_scale, bool)
             # The kernel and the name take the scale as float32: it must be a positive normal float32.
@@ -217,7 +233,7 @@ class AttentionSpec:
     # -- derived ----------------------------------------------------------
     @property
     def problem(self) -> Problem:
-        return Problem(self.head_dim, self.dtype, self.gqa_ratio, self.mask, self.softmax_scale)
+        return Problem(self.head_dim, self.dtype, self.gqa_ratio, self.mask, self.softmax_scale, self.score_mod)
 
     @property
     def effective_scale(self) -> float:

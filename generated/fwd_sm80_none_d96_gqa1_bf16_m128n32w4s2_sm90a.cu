@@ -97,7 +97,6 @@ constexpr bool ROW_SUMS_IN_SMEM = true;
 // Lowered by attngen/masks.py from its expression (attngen/maskc): the element predicate, and the
 // classification of a (query rows, key block) rectangle as empty, partial or full that decides
 // which key blocks a CTA loads and which it masks per element.
-namespace mask {
 #ifndef ATTNGEN_MASKC_PREAMBLE
 #define ATTNGEN_MASKC_PREAMBLE
 // Python's floor division and modulo for a positive divisor d (C++ truncates toward zero).
@@ -124,8 +123,19 @@ __host__ __device__ __forceinline__ int maskc_mod32(int a, int d) {
 __host__ __device__ __forceinline__ int maskc_min32(int a, int b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ int maskc_max32(int a, int b) { return a > b ? a : b; }
 __host__ __device__ __forceinline__ int maskc_abs32(int a) { return a < 0 ? -a : a; }
+// tanh on the GPU as 1 - 2 / (e^(2x) + 1): two MUFU operations and a few registers, where the
+// library tanhf's polynomial and branches spill the attention kernels' registers. Absolute error
+// ~1e-7, far below bf16/fp16 rounding of the probabilities; +-inf give +-1.
+__host__ __device__ __forceinline__ float maskc_tanhf(float x) {
+#ifdef __CUDA_ARCH__
+    return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f);
+#else
+    return tanhf(x);
+#endif
+}
 #endif
 
+namespace mask {
 // [kv_begin, kv_end): the keys that may be visible to some row of [m0, m1); every key block inside
 // [full_begin, full_end) is visible to every row, so it skips per-element masking.
 struct Bounds {
@@ -144,6 +154,20 @@ __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, in
 }
 
 }  // namespace mask
+
+
+// Score modifier none
+// Lowered by attngen/score_mods.py from its expression (attngen/maskc): applied to every scaled
+// score (softmax_scale * q.k) before the mask and the softmax.
+namespace score {
+constexpr bool MODIFIED = false;
+
+__device__ __forceinline__ float modify(float score, int q, int k, int Sq, int Sk, int batch, int head) {
+    const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
+    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h;
+    return score;
+}
+}  // namespace score
 
 
 // Kernel arguments, generated from the family's declared list (attngen/codegen/abi.py).
@@ -169,6 +193,7 @@ struct FwdParams {
     i64 o_ss;
     i64 o_sh;
     float scale_log2;  // softmax_scale * log2(e): exp2 replaces exp with the scale folded in
+    float scale;  // softmax_scale: a score modifier sees scaled scores
 };
 static_assert(sizeof(FwdParams) == 160, "host and device disagree on FwdParams: see attngen/codegen/abi.py");
 static_assert(alignof(FwdParams) == 8, "host and device disagree on FwdParams: see attngen/codegen/abi.py");
@@ -194,12 +219,14 @@ static_assert(__builtin_offsetof(FwdParams, o_sb) == 128, "host and device disag
 static_assert(__builtin_offsetof(FwdParams, o_ss) == 136, "host and device disagree on FwdParams: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(FwdParams, o_sh) == 144, "host and device disagree on FwdParams: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(FwdParams, scale_log2) == 152, "host and device disagree on FwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdParams, scale) == 156, "host and device disagree on FwdParams: see attngen/codegen/abi.py");
 #endif
 
 // ---- flash_fwd.cuh: FlashAttention-2 forward for one (query block, query head, batch) per CTA ----
 // Needs, from the rendered template: struct FwdParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N, SUB_N, NUM_WARPS,
-// NUM_STAGES, GQA_RATIO, Q_IN_REGS, ROW_SUMS_IN_SMEM, IS_BF16, elem_t } and namespace mask { Bounds,
-// bounds, visible } (attngen/cuda/mask.cuh.j2; attngen/masks.py says what they mean).
+// NUM_STAGES, GQA_RATIO, Q_IN_REGS, ROW_SUMS_IN_SMEM, IS_BF16, elem_t }, namespace mask { Bounds,
+// bounds, visible } (attngen/cuda/mask.cuh.j2; attngen/masks.py says what they mean) and namespace
+// score { MODIFIED, modify } (attngen/cuda/score_mod.cuh.j2).
 
 namespace fa {
 
@@ -291,6 +318,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     const int kv_head = head / GQA_RATIO;  // query head h reads kv head h // ratio
     const int m0 = m_block * BLOCK_M, m1 = min(m0 + BLOCK_M, p.Sq);
     const int Sq = p.Sq, Sk = p.Sk;
+    // What takes a score to the log2 domain: softmax_scale * log2(e), or log2(e) once modified.
+    const float score_log2 = score::MODIFIED ? 1.4426950408889634f : p.scale_log2;
 
     const elem_t* q_base = p.q + batch * p.q_sb + head * p.q_sh;
     const elem_t* k_base = p.k + batch * p.k_sb + kv_head * p.k_sh;
@@ -426,8 +455,22 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                 }
             }
 
-            // Per-element mask only on blocks the classification could not prove fully visible.
             const int n0 = block_of(it) * BLOCK_N + sub * SUB_N;
+            // A score modifier sees every scaled score and leaves it in the log2 domain: the
+            // softmax below then scales by log2(e) instead of softmax_scale * log2(e).
+            if constexpr (score::MODIFIED) {
+                const int q0 = m0 + warp * WARP_ROWS + g, k0 = n0 + 2 * t;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
+                            s_acc[mt][nt][i] = score::modify(s_acc[mt][nt][i] * p.scale, q, k, Sq, Sk, batch, head);
+                        }
+            }
+            // Per-element mask only on blocks the classification could not prove fully visible.
             if (!(n0 >= full_lo && n0 + SUB_N <= full_hi)) {
                 const int q0 = m0 + warp * WARP_ROWS + g, k0 = n0 + 2 * t;  // this lane's first element
 #pragma unroll
@@ -454,7 +497,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                     float mx = s_acc[mt][0][2 * h];
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s_acc[mt][nt][2 * h], s_acc[mt][nt][2 * h + 1]));
-                    mx = fmaxf(row_max[mt][h], quad_max(mx) * p.scale_log2);
+                    mx = fmaxf(row_max[mt][h], quad_max(mx) * score_log2);
                     ref[h] = mx == NEG_INF ? 0.f : mx;
                     alpha[h] = fast_exp2(row_max[mt][h] - ref[h]);
                     row_max[mt][h] = mx;
@@ -466,7 +509,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                     for (int half = 0; half < 2; ++half)
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
-                            e[half][i] = fast_exp2(fmaf(s_acc[mt][2 * kk + half][i], p.scale_log2, -ref[i / 2]));
+                            e[half][i] = fast_exp2(fmaf(s_acc[mt][2 * kk + half][i], score_log2, -ref[i / 2]));
                             sum[i / 2] += e[half][i];  // fp32 sums keep the LSE at fp32 accuracy
                         }
                     // The S accumulator layout of two n8 tiles is the A operand layout of one k16

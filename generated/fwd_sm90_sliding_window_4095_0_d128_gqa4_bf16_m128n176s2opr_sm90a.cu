@@ -184,7 +184,6 @@ constexpr int CONSUMER_REGS = 240;
 // Lowered by attngen/masks.py from its expression (attngen/maskc): the element predicate, and the
 // classification of a (query rows, key block) rectangle as empty, partial or full that decides
 // which key blocks a CTA loads and which it masks per element.
-namespace mask {
 #ifndef ATTNGEN_MASKC_PREAMBLE
 #define ATTNGEN_MASKC_PREAMBLE
 // Python's floor division and modulo for a positive divisor d (C++ truncates toward zero).
@@ -211,8 +210,19 @@ __host__ __device__ __forceinline__ int maskc_mod32(int a, int d) {
 __host__ __device__ __forceinline__ int maskc_min32(int a, int b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ int maskc_max32(int a, int b) { return a > b ? a : b; }
 __host__ __device__ __forceinline__ int maskc_abs32(int a) { return a < 0 ? -a : a; }
+// tanh on the GPU as 1 - 2 / (e^(2x) + 1): two MUFU operations and a few registers, where the
+// library tanhf's polynomial and branches spill the attention kernels' registers. Absolute error
+// ~1e-7, far below bf16/fp16 rounding of the probabilities; +-inf give +-1.
+__host__ __device__ __forceinline__ float maskc_tanhf(float x) {
+#ifdef __CUDA_ARCH__
+    return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f);
+#else
+    return tanhf(x);
+#endif
+}
 #endif
 
+namespace mask {
 // [kv_begin, kv_end): the keys that may be visible to some row of [m0, m1); every key block inside
 // [full_begin, full_end) is visible to every row, so it skips per-element masking.
 struct Bounds {
@@ -273,6 +283,20 @@ __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int bat
 }  // namespace mask
 
 
+// Score modifier none
+// Lowered by attngen/score_mods.py from its expression (attngen/maskc): applied to every scaled
+// score (softmax_scale * q.k) before the mask and the softmax.
+namespace score {
+constexpr bool MODIFIED = false;
+
+__device__ __forceinline__ float modify(float score, int q, int k, int Sq, int Sk, int batch, int head) {
+    const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
+    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h;
+    return score;
+}
+}  // namespace score
+
+
 // D (+)= A B with A and B in shared memory (both K-major); scale_d = 0 overwrites D.
 __device__ __forceinline__ void wgmma_qk(float (&d)[88], u64 desc_a, u64 desc_b, int scale_d) {
     asm volatile(
@@ -307,6 +331,7 @@ struct FwdSm90Params {
     int batch;
     int m_blocks;  // query blocks per (batch, head)
     float scale_log2;  // softmax_scale * log2(e): exp2 replaces exp with the scale folded in
+    float scale;  // softmax_scale: a score modifier sees scaled scores
 };
 static_assert(sizeof(FwdSm90Params) == 576, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 static_assert(alignof(FwdSm90Params) == 64, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
@@ -322,6 +347,7 @@ static_assert(__builtin_offsetof(FwdSm90Params, Hq) == 528, "host and device dis
 static_assert(__builtin_offsetof(FwdSm90Params, batch) == 532, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(FwdSm90Params, m_blocks) == 536, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(FwdSm90Params, scale_log2) == 540, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, scale) == 544, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 #endif
 
 // ---- flash_fwd_sm90.cuh: FlashAttention forward for Hopper (sm_90a) ----
@@ -344,6 +370,7 @@ static_assert(__builtin_offsetof(FwdSm90Params, scale_log2) == 540, "host and de
 // Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_N,
 // CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PERSISTENT, SET_MAX_REGS, PRODUCER_REGS,
 // CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
+// namespace score { MODIFIED, modify } (attngen/cuda/score_mod.cuh.j2),
 // and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS).
 
 namespace fa90 {
@@ -506,6 +533,26 @@ __device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0,
     }
 }
 
+// Scores as the softmax takes them: modified (a score modifier sees softmax_scale * q.k and
+// leaves scores the softmax scales by log2(e)), then masked where the block needs it.
+__device__ __forceinline__ void prepare_scores(float (&s)[S_REGS], int row0, const Blocks& b, int it, const Params& p,
+                                               const Tile& tile, int lane) {
+    if constexpr (score::MODIFIED) {
+        const int k0 = b.key0(it) + 2 * (lane % 4);
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i) {
+            const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
+            s[i] = score::modify(s[i] * p.scale, q, k, p.Sq, p.Sk, tile.batch, tile.head);
+        }
+    }
+    if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), p, tile, lane);
+}
+
+// What takes a score to the log2 domain: softmax_scale * log2(e), or log2(e) once modified.
+__device__ __forceinline__ float score_log2(const Params& p) {
+    return score::MODIFIED ? 1.4426950408889634f : p.scale_log2;
+}
+
 // Online softmax in the log2 domain, in place: S becomes exp2(scaled S - max); alpha rescales what
 // was accumulated under the old max. A row whose max is still -inf uses 0 as its reference, so
 // exp2 gives 0 rather than NaN.
@@ -604,8 +651,8 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
             wgmma_wait<0>();
             fence_regs(s);
             release_k(0);
-            if (b.needs_mask(0)) apply_mask(s, row0, b.key0(0), p, tile, lane);
-            softmax_step(s, row_max, row_sum, alpha, p.scale_log2);
+            prepare_scores(s, row0, b, 0, p, tile, lane);
+            softmax_step(s, row_max, row_sum, alpha, score_log2(p));
             to_operand(pf, s);
 #pragma unroll 1
             for (int it = 1; it < n; ++it) {
@@ -618,8 +665,8 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
                 wgmma_wait<1>();  // S(it) is done; P V may still run
                 fence_regs(s);
                 release_k(it);
-                if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), p, tile, lane);
-                softmax_step(s, row_max, row_sum, alpha, p.scale_log2);
+                prepare_scores(s, row0, b, it, p, tile, lane);
+                softmax_step(s, row_max, row_sum, alpha, score_log2(p));
                 wgmma_wait<0>();  // P V is done: O and P may change
                 fence_regs(o);
                 release_v(it - 1);
@@ -643,8 +690,8 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
                 wgmma_wait<0>();
                 fence_regs(s);
                 release_k(it);
-                if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), p, tile, lane);
-                softmax_step(s, row_max, row_sum, alpha, p.scale_log2);
+                prepare_scores(s, row0, b, it, p, tile, lane);
+                softmax_step(s, row_max, row_sum, alpha, score_log2(p));
                 rescale(o, alpha);
                 to_operand(pf, s);
                 wait_v(it);
@@ -701,7 +748,6 @@ __device__ __forceinline__ void consume(const Params& p, Pipeline& pipe, u32 sQ,
 #pragma unroll 1
     for (int j = 0, t = tile_index(0, tiles); t < tiles; t = tile_index(++j, tiles)) {
         const Tile tile = tile_of(p, t);
-        const int m0 = tile.m_block * BLOCK_M;
         const Blocks b = kv_blocks(p, tile);
         const int qb = j % Q_BUFFERS;
         mbar_wait(smem_u32(&pipe.q_full[qb]), (j / Q_BUFFERS) & 1);

@@ -64,15 +64,23 @@ def test_fullgraph_compile_traces_one_op_and_no_graph_break():
     def pinned(q, k, v, spec):
         return attngen.attention(q, k, v, spec, return_lse=True)
 
+    def compiled_mask(q, k, v):  # parsed once at trace time, a constant in the graph
+        return attngen.attention(q, k, v, mask="chunked(64)  and causal", score_mod="softcap(20)")
+
     with FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = fake_inputs()
         out = torch.compile(layer, backend=backend, fullgraph=True)(q, k, v)
         assert out.shape == q.shape
         o, lse = torch.compile(pinned, backend=backend, fullgraph=True)(q, k, v, AttentionSpec(head_dim=64, gqa_ratio=4))
         assert o.shape == q.shape and lse.shape == (2, 8, 100)
-    assert len(graphs) == 2  # fullgraph: one graph per function, no breaks
+        out = torch.compile(compiled_mask, backend=backend, fullgraph=True)(q, k, v)
+        assert out.shape == q.shape
+    assert len(graphs) == 3  # fullgraph: one graph per function, no breaks
     ops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "attngen" in str(n.target)]
     assert len(ops) == 1 and "causal" in str(ops[0].args[3])
+    ops = [n for n in graphs[2].graph.nodes if n.op == "call_function" and "attngen" in str(n.target)]
+    key = AttentionSpec(head_dim=64, gqa_ratio=4, mask="chunked(64) and causal", score_mod="softcap(20.0)").key()
+    assert len(ops) == 1 and ops[0].args[3] == key
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,6 +1,7 @@
-"""Compiled masks on a GPU (marker `gpu`), for every kernel family that runs here: every kind of mask
-against the float64 reference at odd lengths, Sq != Sk and GQA; and block skipping observed:
-keys in blocks a mask hides from a whole CTA are never loaded (NaNs there do not reach the output)."""
+"""Compiled masks and score modifiers on a GPU (marker `gpu`), for every kernel family that runs here:
+every kind of mask and modifier against the float64 reference at odd lengths, Sq != Sk and GQA;
+and block skipping observed: keys in blocks a mask hides from a whole CTA are never loaded (NaNs
+there do not reach the output)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,31 @@ def _inputs(B, Sq, Sk, Hkv, ratio, D, seed):
     return rand(Sq, Hkv * ratio), rand(Sk, Hkv), rand(Sk, Hkv)
 
 
+MODIFIERS = ("softcap(30.0)", "softcap(2.0)", "score - 0.25 * abs(q_idx + (kv_len - q_len) - kv_idx)",
+             "where(h == 1, score * 0.5, score) + 0.01 * (kv_idx % 7)")
+SHAPES = [(2, 300, 300, 1, 2), (1, 129, 517, 2, 1), (1, 517, 129, 1, 1)]
+
+
 @pytest.mark.parametrize("text", MASKS)
-@pytest.mark.parametrize("B,Sq,Sk,Hkv,ratio", [(2, 300, 300, 1, 2), (1, 129, 517, 2, 1), (1, 517, 129, 1, 1)])
+@pytest.mark.parametrize("B,Sq,Sk,Hkv,ratio", SHAPES)
 def test_masks_match_the_reference(gpu_family, text, B, Sq, Sk, Hkv, ratio):
+    check(AttentionSpec(head_dim=128, mask=text, gqa_ratio=ratio, family=gpu_family), B, Sq, Sk, Hkv, ratio)
+
+
+# Each modifier once, under a different mask and head dim (every combination would be a compile each).
+@pytest.mark.parametrize("modifier, mask, head_dim", list(zip(MODIFIERS, ("none", "causal", "sliding_window(100, 20)",
+                                                                          "causal"), (64, 128, 256, 96))))
+def test_score_modifiers_match_the_reference(gpu_family, modifier, mask, head_dim):
+    spec = AttentionSpec(head_dim=head_dim, mask=mask, score_mod=modifier, gqa_ratio=2, family=gpu_family)
+    for B, Sq, Sk, Hkv, ratio in SHAPES:
+        check(spec, B, Sq, Sk, Hkv, 2, logit_scale=3.0)
+
+
+def check(spec, B, Sq, Sk, Hkv, ratio, logit_scale=1.0):
     import torch
 
-    spec = AttentionSpec(head_dim=128, mask=text, gqa_ratio=ratio, family=gpu_family)
-    q, k, v = _inputs(B, Sq, Sk, Hkv, ratio, 128, seed=Sq + Sk)
+    q, k, v = _inputs(B, Sq, Sk, Hkv, ratio, spec.head_dim, seed=Sq + Sk)
+    q = (q.float() * logit_scale).to(q.dtype)  # larger logits: softcap bends them
     out = torch.full_like(q, float("nan"))
     lse = torch.full((B, Hkv * ratio, Sq), float("nan"), device="cuda")
     attngen.compile(spec)(q, k, v, out=out, lse=lse)

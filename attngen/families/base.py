@@ -37,6 +37,7 @@ from attngen.targets import Target
 if TYPE_CHECKING:
     from attngen.build.nvcc import ResourceReport
     from attngen.masks import MaskLowering
+    from attngen.score_mods import ScoreModLowering
     from attngen.runtime.tensors import TensorInfo
     from attngen.tune.model import Estimate, GpuModel, Shape
 
@@ -86,6 +87,13 @@ class ForwardPlan(Plan):
     """A plan of a forward family: what its templates read about the problem, the mask and the fault."""
 
     mask: "MaskLowering"
+
+    @property
+    def score_mod(self) -> "ScoreModLowering | None":
+        """The problem's score modifier, lowered (None: scores as they are)."""
+        from attngen.score_mods import get_score_mod
+
+        return None if self.problem.score_mod is None else get_score_mod(self.problem.score_mod)
 
     @property
     def dtype(self) -> str:

@@ -45,6 +45,10 @@ PROBLEMS = (
     Problem(64, "fp16", gqa_ratio=2, mask="chunked(96) and causal"),
     Problem(96, "bf16", mask="prefix_lm(40)"),
     Problem(128, "fp16", gqa_ratio=2, mask="(q_idx + 2 * kv_idx) % 7 != 3 or h == 1 or b == 2"),
+    # Score modifiers: Gemma 2's softcap under causal; an ALiBi-like distance penalty in a window.
+    Problem(64, "bf16", mask="causal", score_mod="softcap(20.0)"),
+    Problem(256, "bf16", gqa_ratio=2, mask="causal", score_mod="softcap(50.0)"),
+    Problem(128, "fp16", gqa_ratio=2, mask="sliding_window(96, 32)", score_mod="score - 0.125 * abs(q_idx - kv_idx)"),
 )
 EXTRA_CONFIGS = 3  # non-default configs per family
 RANDOM_GQA_RATIOS = (1, 2, 3, 4, 8)
@@ -125,13 +129,23 @@ def random_mask(rng: random.Random) -> str:
     return choices[0]() if rng.random() < 0.5 else rng.choice(choices[1:])()
 
 
+def random_score_mod(rng: random.Random) -> str:
+    """A modifier that does not blow logits up (the tolerances assume scores no larger than scale * q.k)."""
+    return rng.choice([
+        lambda: f"softcap({rng.choice((5.0, 20.0, 50.0))})",
+        lambda: f"score - {rng.choice((0.01, 0.1, 0.5))} * abs(q_idx + (kv_len - q_len) - kv_idx)",
+        lambda: f"where(kv_idx % {rng.randint(2, 5)} == 0, score - 1.0, score)",
+    ])()
+
+
 def random_spec(rng: random.Random, target: Target) -> AttentionSpec:
     """A random problem, pinned to a random family that supports it on `target`, three times in four
     with a random config of that family; always one the dispatcher plans on `target`."""
     for _ in range(RANDOM_TRIES):
         problem = Problem(head_dim=rng.choice(HEAD_DIMS), dtype=rng.choice(sorted(DTYPES)),
                           gqa_ratio=rng.choice(RANDOM_GQA_RATIOS), mask=random_mask(rng),
-                          softmax_scale=rng.choice(RANDOM_SOFTMAX_SCALES) if rng.random() < 0.25 else None)
+                          softmax_scale=rng.choice(RANDOM_SOFTMAX_SCALES) if rng.random() < 0.25 else None,
+                          score_mod=random_score_mod(rng) if rng.random() < 0.25 else None)
         supporting = families.supporting(problem, target)
         if not supporting:
             continue

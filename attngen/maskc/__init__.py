@@ -39,6 +39,8 @@ from attngen.maskc.program import (
     ScoreModProgram,
     compile_mask,
     compile_score_mod,
+    stored_text,
 )
 
-__all__ = ["ExprError", "MaskProgram", "ScoreModProgram", "compile_mask", "compile_score_mod", "cuda_preamble"]
+__all__ = ["ExprError", "MaskProgram", "ScoreModProgram", "compile_mask", "compile_score_mod", "cuda_preamble",
+           "stored_text"]

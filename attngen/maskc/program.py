@@ -131,3 +131,15 @@ def _derivative_program(program: ScoreModProgram) -> ScoreModProgram:
     if len(slug) > SLUG_MAX_CHARS:
         slug = make_slug(None, canonical)
     return ScoreModProgram(canonical, slug, node, program_inputs(node))
+
+
+def stored_text(text: str, kind: str) -> str:
+    """What a spec stores for a mask or score modifier: a single built-in as its call ("causal",
+    "sliding_window(128, 0)", "softcap(30.0)"), else the canonical expression; so one program has
+    one spec key however it was spelled. ExprError as compile_mask / compile_score_mod."""
+    program = compile_mask(text) if kind == "mask" else compile_score_mod(text)
+    builtin = parse(text, kind).builtin
+    if builtin is None:
+        return program.canonical
+    name, values = builtin
+    return name if not values else f"{name}({', '.join(repr(v) for v in values)})"

@@ -96,6 +96,7 @@ ARGUMENTS = Abi("FwdParams", [
       for i, (dim, what) in enumerate((("b", "batch"), ("s", "seq"), ("h", "head")))),
     Param("scale_log2", "float", "f32", lambda c: c.softmax_scale * LOG2E,
           "softmax_scale * log2(e): exp2 replaces exp with the scale folded in"),
+    Param("scale", "float", "f32", lambda c: c.softmax_scale, "softmax_scale: a score modifier sees scaled scores"),
 ])
 
 
@@ -117,9 +118,13 @@ def smem_bytes(config: Sm80Config, head_dim: int, row_sums_in_smem: bool) -> int
 
 
 @functools.lru_cache(maxsize=None)
-def _preferences() -> dict[int, list[Sm80Config]]:
+def _preferences() -> dict[tuple[int, bool], list[Sm80Config]]:
+    """(head dim, has a score modifier) -> configs in order of preference, from tile_defaults.yaml."""
     table = yaml.safe_load((FOLDER / "tile_defaults.yaml").read_text())
-    return {int(d): [Sm80Config.from_label(label) for label in labels] for d, labels in table.items()}
+    modified = table.pop("score_mod", {})
+    plain = {(int(d), False): [Sm80Config.from_label(label) for label in labels] for d, labels in table.items()}
+    return {**plain, **{(d, True): plain[d, False] for d, _ in plain},
+            **{(int(d), True): [Sm80Config.from_label(label) for label in labels] for d, labels in modified.items()}}
 
 
 class Sm80Forward(KernelFamily):
@@ -150,7 +155,7 @@ class Sm80Forward(KernelFamily):
                 if combo[0] / combo[2] in ROWS_PER_WARP]
 
     def default_config(self, problem: Problem, target: Target) -> Sm80Config:
-        choices = _preferences()[problem.head_dim]
+        choices = _preferences()[problem.head_dim, problem.score_mod is not None]
         for config in choices:
             if self._smem(config, problem.head_dim) <= target.smem_per_block:
                 return config

@@ -1,7 +1,8 @@
 // ---- flash_fwd.cuh: FlashAttention-2 forward for one (query block, query head, batch) per CTA ----
 // Needs, from the rendered template: struct FwdParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N, SUB_N, NUM_WARPS,
-// NUM_STAGES, GQA_RATIO, Q_IN_REGS, ROW_SUMS_IN_SMEM, IS_BF16, elem_t } and namespace mask { Bounds,
-// bounds, visible } (attngen/cuda/mask.cuh.j2; attngen/masks.py says what they mean).
+// NUM_STAGES, GQA_RATIO, Q_IN_REGS, ROW_SUMS_IN_SMEM, IS_BF16, elem_t }, namespace mask { Bounds,
+// bounds, visible } (attngen/cuda/mask.cuh.j2; attngen/masks.py says what they mean) and namespace
+// score { MODIFIED, modify } (attngen/cuda/score_mod.cuh.j2).
 
 namespace fa {
 
@@ -93,6 +94,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     const int kv_head = head / GQA_RATIO;  // query head h reads kv head h // ratio
     const int m0 = m_block * BLOCK_M, m1 = min(m0 + BLOCK_M, p.Sq);
     const int Sq = p.Sq, Sk = p.Sk;
+    // What takes a score to the log2 domain: softmax_scale * log2(e), or log2(e) once modified.
+    const float score_log2 = score::MODIFIED ? 1.4426950408889634f : p.scale_log2;
 
     const elem_t* q_base = p.q + batch * p.q_sb + head * p.q_sh;
     const elem_t* k_base = p.k + batch * p.k_sb + kv_head * p.k_sh;
@@ -228,8 +231,22 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                 }
             }
 
-            // Per-element mask only on blocks the classification could not prove fully visible.
             const int n0 = block_of(it) * BLOCK_N + sub * SUB_N;
+            // A score modifier sees every scaled score and leaves it in the log2 domain: the
+            // softmax below then scales by log2(e) instead of softmax_scale * log2(e).
+            if constexpr (score::MODIFIED) {
+                const int q0 = m0 + warp * WARP_ROWS + g, k0 = n0 + 2 * t;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
+                            s_acc[mt][nt][i] = score::modify(s_acc[mt][nt][i] * p.scale, q, k, Sq, Sk, batch, head);
+                        }
+            }
+            // Per-element mask only on blocks the classification could not prove fully visible.
             if (!(n0 >= full_lo && n0 + SUB_N <= full_hi)) {
                 const int q0 = m0 + warp * WARP_ROWS + g, k0 = n0 + 2 * t;  // this lane's first element
 #pragma unroll
@@ -256,7 +273,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                     float mx = s_acc[mt][0][2 * h];
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s_acc[mt][nt][2 * h], s_acc[mt][nt][2 * h + 1]));
-                    mx = fmaxf(row_max[mt][h], quad_max(mx) * p.scale_log2);
+                    mx = fmaxf(row_max[mt][h], quad_max(mx) * score_log2);
                     ref[h] = mx == NEG_INF ? 0.f : mx;
                     alpha[h] = fast_exp2(row_max[mt][h] - ref[h]);
                     row_max[mt][h] = mx;
@@ -268,7 +285,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                     for (int half = 0; half < 2; ++half)
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
-                            e[half][i] = fast_exp2(fmaf(s_acc[mt][2 * kk + half][i], p.scale_log2, -ref[i / 2]));
+                            e[half][i] = fast_exp2(fmaf(s_acc[mt][2 * kk + half][i], score_log2, -ref[i / 2]));
                             sum[i / 2] += e[half][i];  // fp32 sums keep the LSE at fp32 accuracy
                         }
                     // The S accumulator layout of two n8 tiles is the A operand layout of one k16

@@ -114,6 +114,7 @@ ARGUMENTS = Abi("FwdSm90Params", [
     Param("m_blocks", "int", "i32", lambda a: a.m_blocks, "query blocks per (batch, head)"),
     Param("scale_log2", "float", "f32", lambda a: a.call.softmax_scale * LOG2E,
           "softmax_scale * log2(e): exp2 replaces exp with the scale folded in"),
+    Param("scale", "float", "f32", lambda a: a.call.softmax_scale, "softmax_scale: a score modifier sees scaled scores"),
 ])
 
 
@@ -126,7 +127,7 @@ def smem_bytes(config: Sm90Config, head_dim: int, q_buffers: int = 1) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _preferences() -> dict[tuple[int, str], list[Sm90Config]]:
-    """(head dim, mask) -> configs in order of preference, from tile_defaults.yaml."""
+    """(head dim, none | causal | score_mod) -> configs in order of preference, from tile_defaults.yaml."""
     table = yaml.safe_load((FOLDER / "tile_defaults.yaml").read_text())
     return {(int(d), mask): [Sm90Config.from_label(label) for label in labels]
             for d, per_mask in table.items() for mask, labels in per_mask.items()}
@@ -159,7 +160,8 @@ class Sm90Forward(KernelFamily):
         return [Sm90Config(*combo) for combo in itertools.product(*values) if not (combo[4] and combo[1] == 1)]
 
     def default_config(self, problem: Problem, target: Target) -> Sm90Config:
-        choices = _preferences()[problem.head_dim, "causal" if problem.causal else "none"]
+        kind = "score_mod" if problem.score_mod is not None else "causal" if problem.causal else "none"
+        choices = _preferences()[problem.head_dim, kind]
         for config in choices:
             if smem_bytes(config, problem.head_dim) <= target.smem_per_block:
                 return config

@@ -18,6 +18,7 @@
 // Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_N,
 // CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PERSISTENT, SET_MAX_REGS, PRODUCER_REGS,
 // CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
+// namespace score { MODIFIED, modify } (attngen/cuda/score_mod.cuh.j2),
 // and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS).
 
 namespace fa90 {
@@ -180,6 +181,26 @@ __device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0,
     }
 }
 
+// Scores as the softmax takes them: modified (a score modifier sees softmax_scale * q.k and
+// leaves scores the softmax scales by log2(e)), then masked where the block needs it.
+__device__ __forceinline__ void prepare_scores(float (&s)[S_REGS], int row0, const Blocks& b, int it, const Params& p,
+                                               const Tile& tile, int lane) {
+    if constexpr (score::MODIFIED) {
+        const int k0 = b.key0(it) + 2 * (lane % 4);
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i) {
+            const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
+            s[i] = score::modify(s[i] * p.scale, q, k, p.Sq, p.Sk, tile.batch, tile.head);
+        }
+    }
+    if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), p, tile, lane);
+}
+
+// What takes a score to the log2 domain: softmax_scale * log2(e), or log2(e) once modified.
+__device__ __forceinline__ float score_log2(const Params& p) {
+    return score::MODIFIED ? 1.4426950408889634f : p.scale_log2;
+}
+
 // Online softmax in the log2 domain, in place: S becomes exp2(scaled S - max); alpha rescales what
 // was accumulated under the old max. A row whose max is still -inf uses 0 as its reference, so
 // exp2 gives 0 rather than NaN.
@@ -278,8 +299,8 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
             wgmma_wait<0>();
             fence_regs(s);
             release_k(0);
-            if (b.needs_mask(0)) apply_mask(s, row0, b.key0(0), p, tile, lane);
-            softmax_step(s, row_max, row_sum, alpha, p.scale_log2);
+            prepare_scores(s, row0, b, 0, p, tile, lane);
+            softmax_step(s, row_max, row_sum, alpha, score_log2(p));
             to_operand(pf, s);
 #pragma unroll 1
             for (int it = 1; it < n; ++it) {
@@ -292,8 +313,8 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
                 wgmma_wait<1>();  // S(it) is done; P V may still run
                 fence_regs(s);
                 release_k(it);
-                if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), p, tile, lane);
-                softmax_step(s, row_max, row_sum, alpha, p.scale_log2);
+                prepare_scores(s, row0, b, it, p, tile, lane);
+                softmax_step(s, row_max, row_sum, alpha, score_log2(p));
                 wgmma_wait<0>();  // P V is done: O and P may change
                 fence_regs(o);
                 release_v(it - 1);
@@ -317,8 +338,8 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
                 wgmma_wait<0>();
                 fence_regs(s);
                 release_k(it);
-                if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), p, tile, lane);
-                softmax_step(s, row_max, row_sum, alpha, p.scale_log2);
+                prepare_scores(s, row0, b, it, p, tile, lane);
+                softmax_step(s, row_max, row_sum, alpha, score_log2(p));
                 rescale(o, alpha);
                 to_operand(pf, s);
                 wait_v(it);
@@ -375,7 +396,6 @@ __device__ __forceinline__ void consume(const Params& p, Pipeline& pipe, u32 sQ,
 #pragma unroll 1
     for (int j = 0, t = tile_index(0, tiles); t < tiles; t = tile_index(++j, tiles)) {
         const Tile tile = tile_of(p, t);
-        const int m0 = tile.m_block * BLOCK_M;
         const Blocks b = kv_blocks(p, tile);
         const int qb = j % Q_BUFFERS;
         mbar_wait(smem_u32(&pipe.q_full[qb]), (j / Q_BUFFERS) & 1);
