@@ -1,10 +1,11 @@
 """The front door: `attngen.attention`, a torch custom op with a fake implementation.
 
 On torch tensors, `attention` calls the op `torch.ops.attngen.forward(q, k, v, spec_key,
-softmax_scale)`. Its fake (meta) implementation gives the outputs' shapes and dtypes and checks
-the inputs, so `torch.compile(fullgraph=True)` traces it without a graph break; the real one
-resolves the call to a loaded kernel (attngen/runtime/dispatch.py, memoized per shape bucket)
-and launches it on the current stream, which CUDA graphs capture. Eager calls on plain tensors
+softmax_scale, input_names, inputs)` (the last two: the runtime inputs, by name). Its fake
+(meta) implementation gives the outputs' shapes and dtypes and checks the inputs, so
+`torch.compile(fullgraph=True)` traces it without a graph break; the real one resolves the call
+to a loaded kernel (attngen/runtime/dispatch.py, memoized per shape bucket) and launches it on
+the current stream, which CUDA graphs capture. Eager calls on plain tensors
 skip the dispatcher's op machinery and run the same implementation directly (EAGER_DIRECT),
 which saves its per-call overhead. CuPy arrays take the runtime directly.
 """
@@ -20,14 +21,15 @@ from attngen.runtime.tensors import torch_stream
 from attngen.spec import HEAD_DIMS, MAX_GQA_RATIO, AttentionSpec
 
 OP = "attngen::forward"
-SCHEMA = "(Tensor q, Tensor k, Tensor v, str spec_key, float? softmax_scale) -> (Tensor, Tensor)"
+SCHEMA = ("(Tensor q, Tensor k, Tensor v, str spec_key, float? softmax_scale, str[]? input_names=None, "
+          "Tensor[]? inputs=None) -> (Tensor, Tensor)")
 # Eager calls on plain tensors, with autograd not needed, run the op's implementation directly.
 EAGER_DIRECT = True
 _SPEC_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 
 
 def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = None, score_mod: str | None = None,
-              softmax_scale: float | None = None, return_lse: bool = False):
+              inputs: dict | None = None, softmax_scale: float | None = None, return_lse: bool = False):
     """Attention forward, softmax(score_mod(scale * q k^T) + mask) v, in one fused kernel.
 
     Args:
@@ -50,6 +52,11 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
             mask: "softcap(30.0)" (Gemma 2: 30 * tanh(score / 30)), "score - 0.25 * abs(q_idx -
             kv_idx)" (docs/masks.md). With a spec, it must agree with the spec's score_mod.
         softmax_scale: the scale of q k^T; default the spec's, else 1 / sqrt(head_dim).
+        inputs: the runtime inputs the mask and score modifier read, by name: int32 tensors for a
+            mask (e.g. mask="doc[b, q_idx] == doc[b, kv_idx] and causal" with inputs={"doc": ids},
+            ids of shape (batch, seq) for packed documents), float32 for a score modifier (e.g.
+            score_mod="alibi" with inputs={"slope": slopes of shape (heads_q,)}). Every index the
+            expression computes over the call must lie inside the tensor: checked before launch.
         return_lse: also return the log-sum-exp of each row's scaled (and modified) scores.
 
     Returns:
@@ -75,36 +82,54 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
                              "torch.no_grad() or detach the inputs")
         if EAGER_DIRECT and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor \
                 and not torch.compiler.is_compiling():
-            out, lse = _eager(torch, q, k, v, spec, mask, score_mod, softmax_scale)
+            out, lse = _eager(torch, q, k, v, spec, mask, score_mod, softmax_scale, inputs)
         else:
-            out, lse = (_OP or register())(q, k, v, _spec_key(q, k, spec, mask, score_mod), softmax_scale)
+            names, tensors = _split_inputs(inputs)
+            out, lse = (_OP or register())(q, k, v, _spec_key(q, k, spec, mask, score_mod), softmax_scale, names,
+                                           tensors)
     else:
         from attngen.runtime.dispatch import forward
 
-        out, lse = forward(q, k, v, _spec_from_key(_spec_key(q, k, spec, mask, score_mod)), softmax_scale=softmax_scale)
+        out, lse = forward(q, k, v, _spec_from_key(_spec_key(q, k, spec, mask, score_mod)), softmax_scale=softmax_scale,
+                           inputs=inputs)
     return (out, lse) if return_lse else out
 
 
-def _eager(torch, q, k, v, spec, mask, score_mod, softmax_scale):
+def _split_inputs(inputs) -> tuple[list, list]:
+    """Names and tensors of the runtime inputs, sorted by name (the op's str[] and Tensor[])."""
+    if inputs is None:
+        return [], []
+    from collections.abc import Mapping
+
+    if not isinstance(inputs, Mapping) or not all(isinstance(name, str) for name in inputs):
+        raise ValueError(f"inputs={inputs!r} is invalid; allowed: None or a dict of input names to CUDA tensors")
+    names = sorted(inputs)
+    return names, [inputs[name] for name in names]
+
+
+def _eager(torch, q, k, v, spec, mask, score_mod, softmax_scale, inputs=None):
     """The op's implementation for plain tensors, called directly. A layout seen before (same
     arguments, shapes, strides, dtypes, devices; pointers 16-byte aligned) runs its Prepared call
     (attngen/runtime/prepared.py) without repeating the checks: the launch overhead of a tiny call."""
     from attngen.runtime import dispatch
 
     key = None
+    names, tensors = _split_inputs(inputs)
     if (mask is None or type(mask) is str) and (score_mod is None or type(score_mod) is str) \
             and (softmax_scale is None or type(softmax_scale) in (float, int)) \
-            and (spec is None or type(spec) is AttentionSpec):
-        key = (spec, mask, score_mod, softmax_scale, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype,
-               k.device, v.shape, v.stride(), v.dtype, v.device)
+            and (spec is None or type(spec) is AttentionSpec) and all(type(t) is torch.Tensor for t in tensors):
+        key = (spec, mask, score_mod, softmax_scale, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(),
+               k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device,
+               tuple((name, t.shape, t.stride(), t.dtype, t.device) for name, t in zip(names, tensors)))
         prepared = dispatch.eager_prepared.get(key)
         if prepared is not None and not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16) \
                 and prepared.current():
-            return prepared.run_torch(torch, q, k, v, torch_stream(torch, prepared.device))
-    prepared = dispatch.prepare(q, k, v, _spec_from_key(_spec_key(q, k, spec, mask, score_mod)), softmax_scale)
+            return prepared.run_torch(torch, q, k, v, torch_stream(torch, prepared.device), tensors)
+    prepared = dispatch.prepare(q, k, v, _spec_from_key(_spec_key(q, k, spec, mask, score_mod)), softmax_scale,
+                                inputs)
     if key is not None:
         dispatch.remember(dispatch.eager_prepared, key, prepared)
-    return prepared.run_torch(torch, q, k, v, torch_stream(torch, prepared.device))
+    return prepared.run_torch(torch, q, k, v, torch_stream(torch, prepared.device), tensors)
 
 
 def _spec_key(q, k, spec, mask, score_mod=None) -> str:
@@ -175,13 +200,14 @@ def _spec_from_key(key: str) -> AttentionSpec:
     return AttentionSpec.from_key(key)
 
 
-def _forward_impl(q, k, v, spec_key: str, softmax_scale: float | None):
+def _forward_impl(q, k, v, spec_key: str, softmax_scale: float | None, input_names=None, inputs=None):
     from attngen.runtime.dispatch import forward
 
-    return forward(q, k, v, _spec_from_key(spec_key), softmax_scale=softmax_scale)
+    return forward(q, k, v, _spec_from_key(spec_key), softmax_scale=softmax_scale,
+                   inputs=dict(zip(input_names or (), inputs or ())) or None)
 
 
-def _forward_fake(q, k, v, spec_key: str, softmax_scale: float | None):
+def _forward_fake(q, k, v, spec_key: str, softmax_scale: float | None, input_names=None, inputs=None):
     """Shapes and dtypes of the outputs, after the checks that need no data."""
     from attngen.runtime import checks
     from attngen.runtime.tensors import TensorInfo
@@ -195,6 +221,12 @@ def _forward_fake(q, k, v, spec_key: str, softmax_scale: float | None):
     checks.check_inputs(spec.problem, *infos)
     checks.check_scale(softmax_scale, spec.problem)
     B, Sq, Hq, D = q.shape
+    given = {name: TensorInfo(f"inputs[{name!r}]", "torch", 0, tuple(t.shape), tuple(t.stride()),
+                              str(t.dtype).removeprefix("torch."), t.get_device())
+             for name, t in zip(input_names or (), inputs or ())}
+    out_info = TensorInfo("out", "torch", 0, (B, Sq, Hq, D), (Sq * Hq * D, Hq * D, D, 1), infos[0].dtype, infos[0].device)
+    lse_info = TensorInfo("lse", "torch", 0, (B, Hq, Sq), (Hq * Sq, Sq, 1), "float32", infos[0].device)
+    checks.forward_call(spec.problem, *infos, out_info, lse_info, softmax_scale, given)  # the runtime inputs too
     return q.new_empty((B, Sq, Hq, D)), q.new_empty((B, Hq, Sq), dtype=_torch().float32)
 
 
@@ -217,8 +249,8 @@ def register():
     _TEXTS = torch.compiler.assume_constant_result(_texts)
 
     @torch.library.custom_op(OP, mutates_args=(), schema=SCHEMA)
-    def forward(q, k, v, spec_key, softmax_scale):
-        return _forward_impl(q, k, v, spec_key, softmax_scale)
+    def forward(q, k, v, spec_key, softmax_scale, input_names=None, inputs=None):
+        return _forward_impl(q, k, v, spec_key, softmax_scale, input_names, inputs)
 
     forward.register_fake(_forward_fake)
     _OP = torch.ops.attngen.forward

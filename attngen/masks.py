@@ -107,6 +107,7 @@ def scan_bounds(classify: Callable[[int, int], str], Sk: int, block_n: int) -> t
 def get_mask(text: str) -> MaskLowering:
     """The lowering of a mask's text; ValueError naming mask= and what is allowed otherwise."""
     from attngen import maskc
+    from attngen.runtime_inputs import input_ref
 
     if not isinstance(text, str):
         raise ValueError(f"mask={text!r} is invalid; allowed: {ALLOWED}")
@@ -115,12 +116,9 @@ def get_mask(text: str) -> MaskLowering:
         canonical = maskc.stored_text(text, "mask")
     except maskc.ExprError as exc:
         raise ValueError(f"mask={text!r} is invalid: {exc}; allowed: {ALLOWED}") from None
-    if program.inputs:
-        names = ", ".join(name for name, _ in program.inputs)
-        raise ValueError(f"mask={text!r} reads runtime inputs ({names}); masks that read tensors or scalars at "
-                         "run time are not supported yet: write the values into the expression")
     closed = CLOSED_FORMS.get(canonical)
-    return MaskLowering(canonical, program.slug, program.cuda_visible(), program.cuda_classify(),
+    # Runtime inputs are read from the kernel's argument struct p (attngen/runtime_inputs.py).
+    return MaskLowering(canonical, program.slug, program.cuda_visible(input_ref), program.cuda_classify(input_ref),
                         maskc.cuda_preamble(), closed.cuda if closed else None, program)
 
 

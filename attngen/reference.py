@@ -32,8 +32,10 @@ def attention(
     return_lse: bool = False,
     compute_dtype: torch.dtype = torch.float64,
     score_mod: str | None = None,
+    inputs: dict | None = None,
 ):
-    """softmax(score_mod(scale * q k^T) + mask) v; returns out, or (out, lse) when return_lse."""
+    """softmax(score_mod(scale * q k^T) + mask) v; returns out, or (out, lse) when return_lse.
+    `inputs`: the runtime inputs the mask and score modifier read, by name (docs/masks.md)."""
     ratio = _check_inputs(q, k, v, gqa_ratio, compute_dtype)
     lowering = get_mask(mask)  # raises ValueError naming mask= and what is allowed
     modifier = None if score_mod is None else get_score_mod(score_mod)
@@ -53,8 +55,8 @@ def attention(
     b = torch.arange(B, device=q.device)[:, None, None, None, None]
     h = torch.arange(Hq, device=q.device).reshape(1, Hkv, ratio, 1, 1)
     if modifier is not None:
-        scores = modifier.dense(scores, q_idx, kv_idx, Sq, Sk, b=b, h=h)
-    visible = torch.as_tensor(lowering.dense_visible(q_idx, kv_idx, Sq, Sk, b=b, h=h), device=q.device)
+        scores = modifier.program.dense(scores, q_idx, kv_idx, Sq, Sk, b=b, h=h, inputs=inputs)
+    visible = torch.as_tensor(lowering.program.dense(q_idx, kv_idx, Sq, Sk, b=b, h=h, inputs=inputs), device=q.device)
     scores = scores.masked_fill(~torch.broadcast_to(visible, scores.shape), -math.inf)
 
     lse = torch.logsumexp(scores, dim=-1)  # -inf for a row with no visible key
@@ -69,7 +71,8 @@ def attention(
 
 
 def attention_for_spec(
-    q, k, v, spec, softmax_scale: float | None = None, return_lse: bool = False, compute_dtype=torch.float64
+    q, k, v, spec, softmax_scale: float | None = None, return_lse: bool = False, compute_dtype=torch.float64,
+    inputs: dict | None = None,
 ):
     """attention() with mask, score modifier, gqa_ratio and scale taken from an AttentionSpec (or its Problem).
 
@@ -87,7 +90,7 @@ def attention_for_spec(
         raise ValueError(f"q.dtype={q.dtype} does not match spec dtype {problem.dtype!r}; allowed: {_names(allowed)}")
     return attention(
         q, k, v, mask=problem.mask, softmax_scale=check_scale(softmax_scale, problem), gqa_ratio=problem.gqa_ratio,
-        return_lse=return_lse, compute_dtype=compute_dtype, score_mod=problem.score_mod,
+        return_lse=return_lse, compute_dtype=compute_dtype, score_mod=problem.score_mod, inputs=inputs,
     )
 
 

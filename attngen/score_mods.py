@@ -3,11 +3,10 @@
 
 A score modifier is an expression of attngen's expression language (docs/masks.md) over `score`
 (the scaled logit softmax_scale * q.k) and `b, h, q_idx, kv_idx, q_len, kv_len`, e.g. the
-built-in `softcap(30.0)` (Gemma 2, Grok: `30.0 * tanh(score / 30.0)`) or
-`score - 0.5 * abs(q_idx + (kv_len - q_len) - kv_idx)` (ALiBi with a fixed slope). The kernel
+built-in `softcap(30.0)` (Gemma 2, Grok: `30.0 * tanh(score / 30.0)`), `alibi` (per-head
+slopes read from a runtime input `slope[h]`) or `score - 0.5 * abs(q_idx - kv_idx)`. The kernel
 applies it to every score before the mask and the softmax; the reference applies the same
-compiled expression in float64. Runtime inputs (per-head slopes, a learned bias) are not lowered
-yet: a modifier that reads one is refused with a message that says so.
+compiled expression in float64. Runtime inputs: attngen/runtime_inputs.py.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-BUILTINS = ("softcap(c)",)
+BUILTINS = ("softcap(c)", "alibi")
 ALLOWED = ("a score modifier expression over score, b, h, q_idx, kv_idx, q_len, kv_len (docs/masks.md), e.g. "
            "softcap(30.0), or None")
 
@@ -38,6 +37,7 @@ class ScoreModLowering:
 def get_score_mod(text: str) -> ScoreModLowering:
     """The lowering of a score modifier's text; ValueError naming score_mod= and what is allowed."""
     from attngen import maskc
+    from attngen.runtime_inputs import input_ref
 
     if not isinstance(text, str):
         raise ValueError(f"score_mod={text!r} is invalid; allowed: {ALLOWED}")
@@ -46,11 +46,8 @@ def get_score_mod(text: str) -> ScoreModLowering:
         stored = maskc.stored_text(text, "score_mod")
     except maskc.ExprError as exc:
         raise ValueError(f"score_mod={text!r} is invalid: {exc}; allowed: {ALLOWED}") from None
-    if program.inputs:
-        names = ", ".join(name for name, _ in program.inputs)
-        raise ValueError(f"score_mod={text!r} reads runtime inputs ({names}); score modifiers that read tensors or "
-                         "scalars at run time are not supported yet: write the values into the expression")
-    return ScoreModLowering(stored, program.slug, program.cuda_expr(), maskc.cuda_preamble(), program)
+    # Runtime inputs are read from the kernel's argument struct p (attngen/runtime_inputs.py).
+    return ScoreModLowering(stored, program.slug, program.cuda_expr(input_ref), maskc.cuda_preamble(), program)
 
 
 def canonical(text: str | None) -> str | None:

@@ -180,6 +180,13 @@ class AttentionSpec:
                     object.__setattr__(self, "score_mod", score_mods.canonical(self.score_mod))
                 except ValueError as exc:
                     fail("score_mod", str(exc))
+        if not problems and (self.score_mod is not None):
+            from attngen.runtime_inputs import declared
+
+            try:
+                declared(masks.get_mask(self.mask).program, score_mods.get_score_mod(self.score_mod).program)
+            except ValueError as exc:
+                fail("score_mod", str(exc))
         if self.softmax_scale is not None:
             ok = isinstance(self.softmax_scale, (int, float)) and not isinstance(self.softmax_scale, bool)
             # The kernel and the name take the scale as float32: it must be a positive normal float32.

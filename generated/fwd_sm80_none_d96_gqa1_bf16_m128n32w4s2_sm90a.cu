@@ -93,83 +93,6 @@ constexpr bool Q_IN_REGS = false;
 constexpr bool ROW_SUMS_IN_SMEM = true;
 }  // namespace cfg
 
-// Mask none: none
-// Lowered by attngen/masks.py from its expression (attngen/maskc): the element predicate, and the
-// classification of a (query rows, key block) rectangle as empty, partial or full that decides
-// which key blocks a CTA loads and which it masks per element.
-#ifndef ATTNGEN_MASKC_PREAMBLE
-#define ATTNGEN_MASKC_PREAMBLE
-// Python's floor division and modulo for a positive divisor d (C++ truncates toward zero).
-__host__ __device__ __forceinline__ long long maskc_floordiv(long long a, long long d) {
-    long long q = a / d;
-    return (a % d < 0) ? q - 1 : q;
-}
-__host__ __device__ __forceinline__ long long maskc_mod(long long a, long long d) {
-    long long r = a % d;
-    return r < 0 ? r + d : r;
-}
-__host__ __device__ __forceinline__ long long maskc_min(long long a, long long b) { return a < b ? a : b; }
-__host__ __device__ __forceinline__ long long maskc_max(long long a, long long b) { return a > b ? a : b; }
-__host__ __device__ __forceinline__ long long maskc_abs(long long a) { return a < 0 ? -a : a; }
-// The same on int, where the emitter proved every value fits in int32 (d > 0, |a| < 2^31).
-__host__ __device__ __forceinline__ int maskc_floordiv32(int a, int d) {
-    int q = a / d;
-    return (a % d < 0) ? q - 1 : q;
-}
-__host__ __device__ __forceinline__ int maskc_mod32(int a, int d) {
-    int r = a % d;
-    return r < 0 ? r + d : r;
-}
-__host__ __device__ __forceinline__ int maskc_min32(int a, int b) { return a < b ? a : b; }
-__host__ __device__ __forceinline__ int maskc_max32(int a, int b) { return a > b ? a : b; }
-__host__ __device__ __forceinline__ int maskc_abs32(int a) { return a < 0 ? -a : a; }
-// tanh on the GPU as 1 - 2 / (e^(2x) + 1): two MUFU operations and a few registers, where the
-// library tanhf's polynomial and branches spill the attention kernels' registers. Absolute error
-// ~1e-7, far below bf16/fp16 rounding of the probabilities; +-inf give +-1.
-__host__ __device__ __forceinline__ float maskc_tanhf(float x) {
-#ifdef __CUDA_ARCH__
-    return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f);
-#else
-    return tanhf(x);
-#endif
-}
-#endif
-
-namespace mask {
-// [kv_begin, kv_end): the keys that may be visible to some row of [m0, m1); every key block inside
-// [full_begin, full_end) is visible to every row, so it skips per-element masking.
-struct Bounds {
-    int kv_begin, kv_end, full_begin, full_end;
-};
-
-__device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch, int head) {
-    const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
-    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h;
-    return true;
-}
-
-// Closed forms of the classification (attngen/masks.py; tests hold them to the generic one).
-__device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int) {
-    return {0, Sk, 0, Sk};
-}
-
-}  // namespace mask
-
-
-// Score modifier none
-// Lowered by attngen/score_mods.py from its expression (attngen/maskc): applied to every scaled
-// score (softmax_scale * q.k) before the mask and the softmax.
-namespace score {
-constexpr bool MODIFIED = false;
-
-__device__ __forceinline__ float modify(float score, int q, int k, int Sq, int Sk, int batch, int head) {
-    const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
-    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h;
-    return score;
-}
-}  // namespace score
-
-
 // Kernel arguments, generated from the family's declared list (attngen/codegen/abi.py).
 struct FwdParams {
     const cfg::elem_t* q;
@@ -221,6 +144,89 @@ static_assert(__builtin_offsetof(FwdParams, o_sh) == 144, "host and device disag
 static_assert(__builtin_offsetof(FwdParams, scale_log2) == 152, "host and device disagree on FwdParams: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(FwdParams, scale) == 156, "host and device disagree on FwdParams: see attngen/codegen/abi.py");
 #endif
+
+// Mask none: none
+// Lowered by attngen/masks.py from its expression (attngen/maskc): the element predicate, and the
+// classification of a (query rows, key block) rectangle as empty, partial or full that decides
+// which key blocks a CTA loads and which it masks per element.
+#ifndef ATTNGEN_MASKC_PREAMBLE
+#define ATTNGEN_MASKC_PREAMBLE
+// Python's floor division and modulo for a positive divisor d (C++ truncates toward zero).
+__host__ __device__ __forceinline__ long long maskc_floordiv(long long a, long long d) {
+    long long q = a / d;
+    return (a % d < 0) ? q - 1 : q;
+}
+__host__ __device__ __forceinline__ long long maskc_mod(long long a, long long d) {
+    long long r = a % d;
+    return r < 0 ? r + d : r;
+}
+__host__ __device__ __forceinline__ long long maskc_min(long long a, long long b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ long long maskc_max(long long a, long long b) { return a > b ? a : b; }
+__host__ __device__ __forceinline__ long long maskc_abs(long long a) { return a < 0 ? -a : a; }
+// The same on int, where the emitter proved every value fits in int32 (d > 0, |a| < 2^31).
+__host__ __device__ __forceinline__ int maskc_floordiv32(int a, int d) {
+    int q = a / d;
+    return (a % d < 0) ? q - 1 : q;
+}
+__host__ __device__ __forceinline__ int maskc_mod32(int a, int d) {
+    int r = a % d;
+    return r < 0 ? r + d : r;
+}
+__host__ __device__ __forceinline__ int maskc_min32(int a, int b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ int maskc_max32(int a, int b) { return a > b ? a : b; }
+__host__ __device__ __forceinline__ int maskc_abs32(int a) { return a < 0 ? -a : a; }
+// tanh on the GPU as 1 - 2 / (e^(2x) + 1): two MUFU operations and a few registers, where the
+// library tanhf's polynomial and branches spill the attention kernels' registers. Absolute error
+// ~1e-7, far below bf16/fp16 rounding of the probabilities; +-inf give +-1.
+__host__ __device__ __forceinline__ float maskc_tanhf(float x) {
+#ifdef __CUDA_ARCH__
+    return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f);
+#else
+    return tanhf(x);
+#endif
+}
+#endif
+
+namespace mask {
+// [kv_begin, kv_end): the keys that may be visible to some row of [m0, m1); every key block inside
+// [full_begin, full_end) is visible to every row, so it skips per-element masking.
+struct Bounds {
+    int kv_begin, kv_end, full_begin, full_end;
+};
+
+// p: the kernel's argument struct, where runtime inputs live (attngen/runtime_inputs.py).
+template <class P>
+__device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch, int head, const P& p) {
+    const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
+    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p;
+    return true;
+}
+
+// Closed forms of the classification (attngen/masks.py; tests hold them to the generic one).
+template <class P>
+__device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P&) {
+    return {0, Sk, 0, Sk};
+}
+
+}  // namespace mask
+
+
+// Score modifier none
+// Lowered by attngen/score_mods.py from its expression (attngen/maskc): applied to every scaled
+// score (softmax_scale * q.k) before the mask and the softmax.
+namespace score {
+constexpr bool MODIFIED = false;
+
+// p: the kernel's argument struct, where runtime inputs live (attngen/runtime_inputs.py).
+template <class P>
+__device__ __forceinline__ float modify(float score, int q, int k, int Sq, int Sk, int batch, int head, const P& p) {
+    const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
+    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p;
+    return score;
+}
+}  // namespace score
+
+
 
 // ---- flash_fwd.cuh: FlashAttention-2 forward for one (query block, query head, batch) per CTA ----
 // Needs, from the rendered template: struct FwdParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N, SUB_N, NUM_WARPS,
@@ -327,7 +333,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
     // Block classification from the mask: [n_begin, n_end) may hold visible keys; a block
     // inside [full_lo, full_hi) is visible to every row here and skips per-element masking.
-    const mask::Bounds bounds = mask::bounds(m0, m1, Sq, Sk, batch, head);
+    const mask::Bounds bounds = mask::bounds(m0, m1, Sq, Sk, batch, head, p);
     const int kv_lo = bounds.kv_begin, kv_hi = bounds.kv_end, full_lo = bounds.full_begin, full_hi = bounds.full_end;
     const int n_begin = kv_lo / BLOCK_N;
 #ifdef ATTNGEN_FAULT_DROP_LAST_PARTIAL_KV_TILE
@@ -467,7 +473,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
-                            s_acc[mt][nt][i] = score::modify(s_acc[mt][nt][i] * p.scale, q, k, Sq, Sk, batch, head);
+                            if (q < Sq && k < Sk)  // in bounds for the modifier's runtime inputs
+                                s_acc[mt][nt][i] = score::modify(s_acc[mt][nt][i] * p.scale, q, k, Sq, Sk, batch, head, p);
                         }
             }
             // Per-element mask only on blocks the classification could not prove fully visible.
@@ -480,7 +487,9 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
-                            if (!(k < Sk && mask::visible(q, k, Sq, Sk, batch, head))) s_acc[mt][nt][i] = NEG_INF;
+                            // Rows past Sq are never stored; skipping them keeps input reads in bounds.
+                            if (!(k < Sk && q < Sq && mask::visible(q, k, Sq, Sk, batch, head, p)))
+                                s_acc[mt][nt][i] = NEG_INF;
                         }
             }
 

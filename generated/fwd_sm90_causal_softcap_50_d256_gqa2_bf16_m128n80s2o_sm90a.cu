@@ -180,6 +180,38 @@ constexpr int PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = 240;
 }  // namespace cfg
 
+// Kernel arguments, generated from the family's declared list (attngen/codegen/abi.py).
+struct FwdSm90Params {
+    TensorMap tmap_q;  // box: 64 columns x block_m rows
+    TensorMap tmap_k;  // box: 64 columns x block_n rows
+    TensorMap tmap_v;  // box: 64 columns x block_n rows
+    TensorMap tmap_o;  // box: 64 columns x 64 rows (one warpgroup)
+    float* lse;  // (B, Hq, Sq), contiguous
+    int Sq;
+    int Sk;
+    int Hq;
+    int batch;
+    int m_blocks;  // query blocks per (batch, head)
+    float scale_log2;  // softmax_scale * log2(e): exp2 replaces exp with the scale folded in
+    float scale;  // softmax_scale: a score modifier sees scaled scores
+};
+static_assert(sizeof(FwdSm90Params) == 576, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(alignof(FwdSm90Params) == 64, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+#ifndef __CUDACC_RTC__
+static_assert(__builtin_offsetof(FwdSm90Params, tmap_q) == 0, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, tmap_k) == 128, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, tmap_v) == 256, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, tmap_o) == 384, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, lse) == 512, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, Sq) == 520, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, Sk) == 524, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, Hq) == 528, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, batch) == 532, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, m_blocks) == 536, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, scale_log2) == 540, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, scale) == 544, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+#endif
+
 // Mask causal: causal
 // Lowered by attngen/masks.py from its expression (attngen/maskc): the element predicate, and the
 // classification of a (query rows, key block) rectangle as empty, partial or full that decides
@@ -229,14 +261,17 @@ struct Bounds {
     int kv_begin, kv_end, full_begin, full_end;
 };
 
-__device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch, int head) {
+// p: the kernel's argument struct, where runtime inputs live (attngen/runtime_inputs.py).
+template <class P>
+__device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch, int head, const P& p) {
     const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
-    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h;
+    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p;
     return (kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len))))));
 }
 
 // Closed forms of the classification (attngen/masks.py; tests hold them to the generic one).
-__device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int) {
+template <class P>
+__device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P&) {
     return {0, min(Sk, max(0, m1 + (Sk - Sq))), 0, min(Sk, max(0, m0 + 1 + (Sk - Sq)))};
 }
 
@@ -287,9 +322,11 @@ __host__ __device__ __forceinline__ float maskc_tanhf(float x) {
 namespace score {
 constexpr bool MODIFIED = true;
 
-__device__ __forceinline__ float modify(float score, int q, int k, int Sq, int Sk, int batch, int head) {
+// p: the kernel's argument struct, where runtime inputs live (attngen/runtime_inputs.py).
+template <class P>
+__device__ __forceinline__ float modify(float score, int q, int k, int Sq, int Sk, int batch, int head, const P& p) {
     const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
-    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h;
+    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p;
     return (50.0f * maskc_tanhf((score / 50.0f)));
 }
 }  // namespace score
@@ -316,37 +353,6 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[128], const u32 (&a)[4], u64
 }
 
 
-// Kernel arguments, generated from the family's declared list (attngen/codegen/abi.py).
-struct FwdSm90Params {
-    TensorMap tmap_q;  // box: 64 columns x block_m rows
-    TensorMap tmap_k;  // box: 64 columns x block_n rows
-    TensorMap tmap_v;  // box: 64 columns x block_n rows
-    TensorMap tmap_o;  // box: 64 columns x 64 rows (one warpgroup)
-    float* lse;  // (B, Hq, Sq), contiguous
-    int Sq;
-    int Sk;
-    int Hq;
-    int batch;
-    int m_blocks;  // query blocks per (batch, head)
-    float scale_log2;  // softmax_scale * log2(e): exp2 replaces exp with the scale folded in
-    float scale;  // softmax_scale: a score modifier sees scaled scores
-};
-static_assert(sizeof(FwdSm90Params) == 576, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(alignof(FwdSm90Params) == 64, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-#ifndef __CUDACC_RTC__
-static_assert(__builtin_offsetof(FwdSm90Params, tmap_q) == 0, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(FwdSm90Params, tmap_k) == 128, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(FwdSm90Params, tmap_v) == 256, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(FwdSm90Params, tmap_o) == 384, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(FwdSm90Params, lse) == 512, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(FwdSm90Params, Sq) == 520, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(FwdSm90Params, Sk) == 524, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(FwdSm90Params, Hq) == 528, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(FwdSm90Params, batch) == 532, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(FwdSm90Params, m_blocks) == 536, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(FwdSm90Params, scale_log2) == 540, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(FwdSm90Params, scale) == 544, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-#endif
 
 // ---- flash_fwd_sm90.cuh: FlashAttention forward for Hopper (sm_90a) ----
 // A CTA works through tiles (one query block of one (batch, query head) each). The order keeps
@@ -445,7 +451,7 @@ struct Blocks {
 __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
     const int m0 = tile.m_block * BLOCK_M, m1 = min(m0 + BLOCK_M, p.Sq);
     if (m0 >= p.Sq) return {0, 0, 0, 0};  // a phantom block past the last row
-    const mask::Bounds mb = mask::bounds(m0, m1, p.Sq, p.Sk, tile.batch, tile.head);
+    const mask::Bounds mb = mask::bounds(m0, m1, p.Sq, p.Sk, tile.batch, tile.head, p);
     Blocks b;
     b.n_begin = mb.kv_begin / BLOCK_N;
 #ifdef ATTNGEN_FAULT_DROP_LAST_PARTIAL_KV_TILE
@@ -527,7 +533,8 @@ __device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0,
 #pragma unroll
     for (int i = 0; i < S_REGS; ++i) {
         const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
-        if (!(k < p.Sk && mask::visible(q, k, p.Sq, p.Sk, tile.batch, tile.head))) s[i] = NEG_INF;
+        // Rows past Sq are never stored; skipping them keeps input reads in bounds.
+        if (!(k < p.Sk && q < p.Sq && mask::visible(q, k, p.Sq, p.Sk, tile.batch, tile.head, p))) s[i] = NEG_INF;
     }
 }
 
@@ -540,7 +547,8 @@ __device__ __forceinline__ void prepare_scores(float (&s)[S_REGS], int row0, con
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) {
             const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
-            s[i] = score::modify(s[i] * p.scale, q, k, p.Sq, p.Sk, tile.batch, tile.head);
+            if (q < p.Sq && k < p.Sk)  // in bounds for the modifier's runtime inputs
+                s[i] = score::modify(s[i] * p.scale, q, k, p.Sq, p.Sk, tile.batch, tile.head, p);
         }
     }
     if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), p, tile, lane);

@@ -76,3 +76,37 @@ def test_blocks_a_mask_hides_are_never_loaded(gpu_family):
     ref = reference.attention_for_spec(q, k, clean, spec)
     bad = tolerance.check_output(out[:, 1024:], ref[:, 1024:], q[:, 1024:], k, clean, "bf16", spec.effective_scale)
     assert bad is None, bad
+
+
+DOC_MASK = "doc[b, q_idx] == doc[b, kv_idx] and causal"
+
+
+def test_runtime_inputs_match_the_reference(gpu_family):
+    """Packed documents (one of length 1, one empty gap of ids) under causal, with ALiBi slopes per head."""
+    import torch
+
+    B, S, Hkv, ratio = 2, 300, 2, 2
+    spec = AttentionSpec(head_dim=64, mask=DOC_MASK, score_mod="alibi", gqa_ratio=ratio, family=gpu_family)
+    q, k, v = _inputs(B, S, S, Hkv, ratio, 64, seed=11)
+    lengths = [[1, 120, 179], [200, 1, 99]]
+    doc = torch.tensor([sum(([i * 2] * n for i, n in enumerate(row)), []) for row in lengths], dtype=torch.int32,
+                       device="cuda")
+    slope = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
+    inputs = {"doc": doc, "slope": slope}
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B, Hkv * ratio, S), float("nan"), device="cuda")
+    attngen.compile(spec)(q, k, v, out=out, lse=lse, inputs=inputs)
+    torch.cuda.synchronize()
+    ref, ref_lse = reference.attention_for_spec(q, k, v, spec, return_lse=True, inputs=inputs)
+    scale = spec.effective_scale
+    bad = tolerance.check_output(out, ref, q, k, v, "bf16", scale) or tolerance.check_lse(lse, ref_lse, q, k, scale)
+    assert bad is None, bad
+    # The front door, eagerly and again with other ids at the same layout (the Prepared path).
+    front = attngen.attention(q, k, v, mask=DOC_MASK, score_mod="alibi", inputs=inputs)
+    assert torch.equal(front, out)
+    other = {"doc": torch.zeros_like(doc), "slope": slope}
+    again = attngen.attention(q, k, v, mask=DOC_MASK, score_mod="alibi", inputs=other)
+    ref = reference.attention_for_spec(q, k, v, spec, inputs=other)
+    assert tolerance.check_output(again, ref, q, k, v, "bf16", scale) is None
+    with pytest.raises(ValueError, match="index 1 of input 'doc'"):
+        attngen.attention(q, k, v, mask=DOC_MASK, score_mod="alibi", inputs={"doc": doc[:, :200], "slope": slope})

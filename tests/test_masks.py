@@ -76,11 +76,6 @@ def test_bad_masks_are_refused_naming_the_mask_and_what_is_allowed(text, piece):
     assert "allowed" in str(caught.value) and piece in str(caught.value)
 
 
-def test_masks_that_read_runtime_inputs_are_refused_for_now():
-    with pytest.raises(ValueError, match="runtime inputs"):
-        masks.get_mask("kv_idx < limit[b]")
-
-
 @pytest.mark.parametrize("family", ["fwd_sm80", "fwd_sm90"])
 @pytest.mark.parametrize("text", ["sliding_window( 128,0 )", "kv_idx%3 != 1 or (q_idx == kv_idx and h == 0)"])
 def test_compiled_masks_render_and_compile_for_every_family(family, text):

@@ -89,6 +89,11 @@ class ForwardPlan(Plan):
     mask: "MaskLowering"
 
     @property
+    def inputs(self) -> tuple:
+        """The runtime inputs the mask and score modifier read (attngen/runtime_inputs.py Declared)."""
+        return problem_inputs(self.problem)
+
+    @property
     def score_mod(self) -> "ScoreModLowering | None":
         """The problem's score modifier, lowered (None: scores as they are)."""
         from attngen.score_mods import get_score_mod
@@ -120,6 +125,16 @@ class ForwardPlan(Plan):
                          if getattr(self.problem, f.name) is not None)
 
 
+def problem_inputs(problem: Problem) -> tuple:
+    """The runtime inputs a problem's mask and score modifier read (attngen/runtime_inputs.py Declared)."""
+    from attngen.masks import get_mask
+    from attngen.runtime_inputs import declared
+    from attngen.score_mods import get_score_mod
+
+    score_mod = None if problem.score_mod is None else get_score_mod(problem.score_mod).program
+    return declared(get_mask(problem.mask).program, score_mod)
+
+
 @dataclass(frozen=True)
 class ForwardCall:
     """The validated arguments of one forward call (attngen/runtime/checks.py made them)."""
@@ -131,6 +146,13 @@ class ForwardCall:
     lse: "TensorInfo"
     softmax_scale: float
     workspace: int = 0  # device address of workspace_bytes() of scratch, when asked for
+    inputs: tuple = ()  # ((name, TensorInfo), ...) sorted: the runtime inputs the expressions read
+
+    def input(self, name: str) -> "TensorInfo":
+        for key, info in self.inputs:
+            if key == name:
+                return info
+        raise KeyError(name)
 
     @property
     def batch(self) -> int:

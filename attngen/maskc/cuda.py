@@ -120,32 +120,33 @@ INT32_MIN, INT32_MAX = -(2**31 - 1), 2**31 - 1
 INT, LONG = "int", "long long"
 
 
-def static_range(node: Node, memo: dict | None = None) -> tuple[int, int] | None:
-    """Sound bounds (lo, hi) of an int node over every point of VAR_RANGES and every input value,
-    by plain interval arithmetic on Python ints; None where unbounded (an input, or anything
-    whose bound depends on one)."""
+def static_range(node: Node, memo: dict | None = None, var_ranges: dict | None = None) -> tuple[int, int] | None:
+    """Sound bounds (lo, hi) of an int node over every point of `var_ranges` (default VAR_RANGES,
+    the kernel contract; a call's own ranges give tighter ones) and every input value, by plain
+    interval arithmetic on Python ints; None where unbounded (an input, or anything whose bound
+    depends on one). A memo belongs to one var_ranges."""
     memo = {} if memo is None else memo
     if node not in memo:
-        memo[node] = _static_range(node, memo)
+        memo[node] = _static_range(node, memo, VAR_RANGES if var_ranges is None else var_ranges)
     return memo[node]
 
 
-def _static_range(node: Node, memo: dict) -> tuple[int, int] | None:
+def _static_range(node: Node, memo: dict, var_ranges: dict) -> tuple[int, int] | None:
     if node.type is not Type.INT:
         return None
     if isinstance(node, Const):
         return node.value, node.value
     if isinstance(node, Var):
-        return VAR_RANGES[node.name]
+        return var_ranges[node.name]
     if isinstance(node, Input):
         return None
     op, args = node.op, node.args
     if op == "mod":  # whatever the dividend: the divisor d is a positive constant
-        d, r = args[1].value, static_range(args[0], memo)
+        d, r = args[1].value, static_range(args[0], memo, var_ranges)
         if r is not None and r[0] // d == r[1] // d:  # within one period the remainder is monotone
             return r[0] % d, r[1] % d
         return 0, d - 1
-    ranges = [static_range(a, memo) for a in (args[1:] if op == "where" else args)]
+    ranges = [static_range(a, memo, var_ranges) for a in (args[1:] if op == "where" else args)]
     if any(r is None for r in ranges):
         return None
     if op == "add":

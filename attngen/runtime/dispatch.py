@@ -39,13 +39,14 @@ class Kernel:
     def __repr__(self) -> str:
         return f"Kernel({self.plan.name}, cuda:{self.device})"
 
-    def __call__(self, q, k, v, *, softmax_scale: float | None = None, out=None, lse=None):
-        """Run on q, k, v; `out`/`lse` may be given (tests poison them first). Returns (out, lse)."""
+    def __call__(self, q, k, v, *, softmax_scale: float | None = None, out=None, lse=None, inputs=None):
+        """Run on q, k, v (and the runtime inputs the mask and score modifier read); `out`/`lse` may
+        be given (tests poison them first). Returns (out, lse)."""
         qi, ki, vi = describe(q, "q"), describe(k, "k"), describe(v, "v")
         checks.check_inputs(self.plan.problem, qi, ki, vi)
         if qi.device != self.device:
             raise ValueError(f"q is on cuda:{qi.device} but this kernel is loaded on cuda:{self.device}")
-        out, lse, call = _outputs_and_call(self.plan, q, qi, ki, vi, out, lse, softmax_scale)
+        out, lse, call = _outputs_and_call(self.plan, q, qi, ki, vi, out, lse, softmax_scale, inputs)
         reason = self.family.accepts(self.plan, call)
         if reason is not None:
             raise ValueError(f"{self.plan.name} cannot run these tensors: {reason}")
@@ -65,14 +66,26 @@ class Kernel:
         self._module.launch_bound(bound, stream)
 
 
-def _outputs_and_call(plan: Plan, ref, qi: TensorInfo, ki, vi, out, lse, softmax_scale):
+def _outputs_and_call(plan: Plan, ref, qi: TensorInfo, ki, vi, out, lse, softmax_scale, inputs=None):
     B, Sq, Hq, D = qi.shape
     if out is None:
         out = new_like(ref, (B, Sq, Hq, D))
     if lse is None:
         lse = new_like(ref, (B, Hq, Sq), "float32")
-    call = checks.forward_call(plan.problem, qi, ki, vi, describe(out, "out"), describe(lse, "lse"), softmax_scale)
+    call = checks.forward_call(plan.problem, qi, ki, vi, describe(out, "out"), describe(lse, "lse"), softmax_scale,
+                               describe_inputs(inputs))
     return out, lse, call
+
+
+def describe_inputs(inputs) -> dict[str, TensorInfo]:
+    """name -> TensorInfo of a call's runtime inputs; ValueError for anything but a mapping of names to tensors."""
+    from collections.abc import Mapping
+
+    if inputs is None:
+        return {}
+    if not isinstance(inputs, Mapping) or not all(isinstance(name, str) for name in inputs):
+        raise ValueError(f"inputs={inputs!r} is invalid; allowed: None or a dict of input names to CUDA tensors")
+    return {name: describe(t, f"inputs[{name!r}]") for name, t in inputs.items()}
 
 
 _kernels: dict[tuple[str, int], Kernel] = {}
@@ -181,7 +194,7 @@ def forget() -> None:
     eager_prepared.clear()
 
 
-def prepare(q, k, v, spec: AttentionSpec, softmax_scale: float | None = None) -> Prepared:
+def prepare(q, k, v, spec: AttentionSpec, softmax_scale: float | None = None, inputs=None) -> Prepared:
     """Check a call's inputs against the kernel contract and resolve its kernel: a Prepared that runs
     every call of the same layout (inputs 16-byte aligned)."""
     from attngen.tune import lookup
@@ -196,14 +209,14 @@ def prepare(q, k, v, spec: AttentionSpec, softmax_scale: float | None = None) ->
     # The outputs' layout, as new_like makes them; the pointers are filled in per call.
     out = TensorInfo("out", qi.kind, 0, (B, Sq, Hq, D), (Sq * Hq * D, Hq * D, D, 1), qi.dtype, qi.device)
     lse = TensorInfo("lse", qi.kind, 0, (B, Hq, Sq), (Hq * Sq, Sq, 1), "float32", qi.device)
-    call = checks.forward_call(kernel.plan.problem, qi, ki, vi, out, lse, softmax_scale)
+    call = checks.forward_call(kernel.plan.problem, qi, ki, vi, out, lse, softmax_scale, describe_inputs(inputs))
     reason = kernel.family.accepts(kernel.plan, call)
     if reason is not None:
         kernel = _fallback(spec, kernel, call, reason)
     return Prepared(kernel, call, stamp)
 
 
-def forward(q, k, v, spec: AttentionSpec, *, softmax_scale: float | None = None, out=None, lse=None):
+def forward(q, k, v, spec: AttentionSpec, *, softmax_scale: float | None = None, out=None, lse=None, inputs=None):
     """The forward pass on torch CUDA tensors or CuPy arrays: (out, lse), launched on the caller's
     current stream. Checks every input against the kernel contract first (once per layout)."""
     if not isinstance(spec, AttentionSpec):
@@ -212,15 +225,17 @@ def forward(q, k, v, spec: AttentionSpec, *, softmax_scale: float | None = None,
     if out is not None or lse is not None:  # outputs given (tests poison them first): every check, every time
         checks.check_inputs(spec.problem, qi, ki, vi)
         kernel = resolve(spec, qi, ki)
-        out, lse, call = _outputs_and_call(kernel.plan, q, qi, ki, vi, out, lse, softmax_scale)
+        out, lse, call = _outputs_and_call(kernel.plan, q, qi, ki, vi, out, lse, softmax_scale, inputs)
         reason = kernel.family.accepts(kernel.plan, call)
         if reason is not None:
             kernel = _fallback(spec, kernel, call, reason)
         kernel.run(call, current_stream(q, qi.device))
         return out, lse
+    given = describe_inputs(inputs)
     layout = (spec, softmax_scale, qi.shape, qi.strides, qi.dtype, qi.device, ki.shape, ki.strides, ki.dtype,
-              ki.device, vi.shape, vi.strides, vi.dtype, vi.device)
+              ki.device, vi.shape, vi.strides, vi.dtype, vi.device,
+              tuple((name, t.shape, t.strides, t.dtype, t.device) for name, t in sorted(given.items())))
     prepared = _prepared.get(layout)
     if prepared is None or not prepared.current() or qi.ptr % 16 or ki.ptr % 16 or vi.ptr % 16:
-        prepared = remember(_prepared, layout, prepare(q, k, v, spec, softmax_scale))
-    return prepared.run(q, k, v)
+        prepared = remember(_prepared, layout, prepare(q, k, v, spec, softmax_scale, inputs))
+    return prepared.run(q, k, v, inputs)

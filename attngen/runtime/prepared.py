@@ -43,34 +43,39 @@ class Prepared:
 
         return self.stamp == lookup.recent_stamp()
 
-    def launches(self, ptrs: tuple[int, int, int, int, int]) -> tuple:
-        """The packed launches for (q, k, v, out, lse) at these addresses."""
+    def launches(self, ptrs: tuple[int, ...]) -> tuple:
+        """The packed launches for (q, k, v, out, lse, then the runtime inputs by name) at these addresses."""
         bound = self._bound.get(ptrs)
         if bound is None:
             if len(self._bound) >= MAX_BOUND:
                 self._bound.clear()
             t = self.template
+            inputs = tuple((name, dataclasses.replace(info, ptr=ptr)) for (name, info), ptr in zip(t.inputs, ptrs[5:]))
             call = dataclasses.replace(
                 t, q=dataclasses.replace(t.q, ptr=ptrs[0]), k=dataclasses.replace(t.k, ptr=ptrs[1]),
                 v=dataclasses.replace(t.v, ptr=ptrs[2]), out=dataclasses.replace(t.out, ptr=ptrs[3]),
-                lse=dataclasses.replace(t.lse, ptr=ptrs[4]))
+                lse=dataclasses.replace(t.lse, ptr=ptrs[4]), inputs=inputs)
             bound = self._bound[ptrs] = self.kernel.bind(call)
         return bound
 
-    def run_torch(self, torch, q, k, v, stream: int):
-        """(out, lse) for plain torch tensors of this layout, whose pointers are 16-byte aligned."""
+    def run_torch(self, torch, q, k, v, stream: int, inputs: tuple = ()):
+        """(out, lse) for plain torch tensors of this layout, whose pointers are 16-byte aligned;
+        `inputs`: the runtime input tensors in name order."""
         out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if not self.empty:
-            ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
+            ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                    *(t.data_ptr() for t in inputs))
             self.kernel.launch_bound(self.launches(ptrs), stream)
         return out, lse
 
-    def run(self, q, k, v):
-        """(out, lse) for torch tensors or CuPy arrays of this layout, 16-byte aligned."""
+    def run(self, q, k, v, inputs=None):
+        """(out, lse) for torch tensors or CuPy arrays of this layout, 16-byte aligned; `inputs`:
+        name -> tensor, the runtime inputs."""
         out, lse = new_like(q, self.out_shape), new_like(q, self.lse_shape, "float32")
         if not self.empty:
+            inputs = inputs or {}
             ptrs = (describe(q, "q").ptr, describe(k, "k").ptr, describe(v, "v").ptr, describe(out, "out").ptr,
-                    describe(lse, "lse").ptr)
+                    describe(lse, "lse").ptr, *(describe(inputs[name], name).ptr for name, _ in self.template.inputs))
             self.kernel.launch_bound(self.launches(ptrs), current_stream(q, self.device))
         return out, lse

@@ -23,8 +23,10 @@ from attngen.codegen import render as codegen
 from attngen.codegen.abi import Abi, Param
 from attngen.errors import SpecError
 from attngen.faults import check_fault
-from attngen.families.base import Config, ForwardCall, ForwardPlan, KernelFamily, KernelPlan, Launch
+from attngen.families.base import (Config, ForwardCall, ForwardPlan, KernelFamily, KernelPlan, Launch,
+                                  problem_inputs)
 from attngen.masks import get_mask, mask_problem
+from attngen.runtime_inputs import with_inputs
 from attngen.spec import HEAD_DIMS, Problem
 from attngen.targets import Target
 
@@ -98,6 +100,11 @@ ARGUMENTS = Abi("FwdParams", [
           "softmax_scale * log2(e): exp2 replaces exp with the scale folded in"),
     Param("scale", "float", "f32", lambda c: c.softmax_scale, "softmax_scale: a score modifier sees scaled scores"),
 ])
+
+
+def _the_call(call: ForwardCall) -> ForwardCall:
+    """What this family packs is the ForwardCall itself (attngen/runtime_inputs.py with_inputs)."""
+    return call
 
 
 def _fragment_registers(config: Sm80Config, head_dim: int, sub_n: int, q_in_regs: bool) -> int:
@@ -203,17 +210,18 @@ class Sm80Forward(KernelFamily):
         threads = config.num_warps * 32
         return Sm80Plan(
             family=self.name, name=name, problem=problem, target=target, config=config,
-            kernels=(KernelPlan(name, threads, smem, ARGUMENTS),), block_m=config.block_m, block_n=config.block_n,
+            kernels=(KernelPlan(name, threads, smem, with_inputs(ARGUMENTS, problem_inputs(problem), _the_call)),),
+            block_m=config.block_m, block_n=config.block_n,
             fault=fault, num_warps=config.num_warps, num_stages=config.num_stages, q_in_regs=q_in_regs,
             row_sums_in_smem=register_tight, sub_n=sub_n, threads=threads, smem_bytes=smem, min_blocks_per_sm=1,
             mask=get_mask(problem.mask))
 
     def render(self, plan: Sm80Plan) -> str:
-        return codegen.render(FOLDER, "fwd.cu.j2", plan=plan, abi=ARGUMENTS)
+        return codegen.render(FOLDER, "fwd.cu.j2", plan=plan, abi=plan.kernels[0].abi)
 
     def launches(self, plan: Sm80Plan, call: ForwardCall) -> list[Launch]:
         grid = (math.ceil(call.seq_q / plan.block_m), call.heads_q, call.batch)
-        return [Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, ARGUMENTS.pack(call))]
+        return [Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, plan.kernels[0].abi.pack(call))]
 
     def estimate(self, plan, report, gpu, shape):
         from attngen.families.fwd_sm80.estimate import estimate

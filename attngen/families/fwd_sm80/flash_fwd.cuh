@@ -103,7 +103,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
     // Block classification from the mask: [n_begin, n_end) may hold visible keys; a block
     // inside [full_lo, full_hi) is visible to every row here and skips per-element masking.
-    const mask::Bounds bounds = mask::bounds(m0, m1, Sq, Sk, batch, head);
+    const mask::Bounds bounds = mask::bounds(m0, m1, Sq, Sk, batch, head, p);
     const int kv_lo = bounds.kv_begin, kv_hi = bounds.kv_end, full_lo = bounds.full_begin, full_hi = bounds.full_end;
     const int n_begin = kv_lo / BLOCK_N;
 #ifdef ATTNGEN_FAULT_DROP_LAST_PARTIAL_KV_TILE
@@ -243,7 +243,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
-                            s_acc[mt][nt][i] = score::modify(s_acc[mt][nt][i] * p.scale, q, k, Sq, Sk, batch, head);
+                            if (q < Sq && k < Sk)  // in bounds for the modifier's runtime inputs
+                                s_acc[mt][nt][i] = score::modify(s_acc[mt][nt][i] * p.scale, q, k, Sq, Sk, batch, head, p);
                         }
             }
             // Per-element mask only on blocks the classification could not prove fully visible.
@@ -256,7 +257,9 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
-                            if (!(k < Sk && mask::visible(q, k, Sq, Sk, batch, head))) s_acc[mt][nt][i] = NEG_INF;
+                            // Rows past Sq are never stored; skipping them keeps input reads in bounds.
+                            if (!(k < Sk && q < Sq && mask::visible(q, k, Sq, Sk, batch, head, p)))
+                                s_acc[mt][nt][i] = NEG_INF;
                         }
             }
 

@@ -26,9 +26,11 @@ from attngen.codegen.abi import Abi, Param
 from attngen.dtypes import get_dtype
 from attngen.errors import SpecError
 from attngen.faults import check_fault
-from attngen.families.base import Config, ForwardCall, ForwardPlan, KernelFamily, KernelPlan, Launch
+from attngen.families.base import (Config, ForwardCall, ForwardPlan, KernelFamily, KernelPlan, Launch,
+                                  problem_inputs)
 from attngen.families.fwd_sm90 import tma
 from attngen.masks import get_mask, mask_problem
+from attngen.runtime_inputs import with_inputs
 from attngen.spec import Problem
 from attngen.targets import Target
 
@@ -118,6 +120,11 @@ ARGUMENTS = Abi("FwdSm90Params", [
 ])
 
 
+def _the_call(args: Sm90Args) -> ForwardCall:
+    """The ForwardCall inside what this family packs (attngen/runtime_inputs.py with_inputs)."""
+    return args.call
+
+
 def smem_bytes(config: Sm90Config, head_dim: int, q_buffers: int = 1) -> int:
     """flash_fwd_sm90.cuh's SMEM_BYTES: 1 KB of alignment slack, the Q tiles and the K and V rings,
     every row padded to whole 64-column chunks."""
@@ -193,13 +200,14 @@ class Sm90Forward(KernelFamily):
         producer_regs, consumer_regs = REGISTERS[config.consumers]
         return Sm90Plan(
             family=self.name, name=name, problem=problem, target=target, config=config,
-            kernels=(KernelPlan(name, threads, smem, ARGUMENTS),), block_m=config.block_m, block_n=config.block_n,
+            kernels=(KernelPlan(name, threads, smem, with_inputs(ARGUMENTS, problem_inputs(problem), _the_call)),),
+            block_m=config.block_m, block_n=config.block_n,
             fault=fault, consumers=config.consumers, num_stages=config.num_stages, q_buffers=q_buffers,
             overlap=config.overlap, pingpong=config.pingpong, persistent=config.persistent, threads=threads, smem_bytes=smem, producer_regs=producer_regs,
             consumer_regs=consumer_regs, mask=get_mask(problem.mask))
 
     def render(self, plan: Sm90Plan) -> str:
-        return codegen.render(FOLDER, "fwd_sm90.cu.j2", plan=plan, abi=ARGUMENTS, qk_n=plan.block_n,
+        return codegen.render(FOLDER, "fwd_sm90.cu.j2", plan=plan, abi=plan.kernels[0].abi, qk_n=plan.block_n,
                               pv_n=plan.head_dim, ptx_type="bf16" if plan.dtype == "bf16" else "f16")
 
     def accepts(self, plan: Sm90Plan, call: ForwardCall) -> str | None:
@@ -226,7 +234,7 @@ class Sm90Forward(KernelFamily):
             grid = (tiles if tiles <= sms else min(tiles // 2, sms), 1, 1)  # flash_fwd_sm90.cuh tile_index
         else:
             grid = (tiles, 1, 1)
-        return [Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, ARGUMENTS.pack(args))]
+        return [Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, plan.kernels[0].abi.pack(args))]
 
     def estimate(self, plan, report, gpu, shape):
         from attngen.families.fwd_sm90.estimate import estimate

@@ -95,7 +95,7 @@ struct Blocks {
 __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
     const int m0 = tile.m_block * BLOCK_M, m1 = min(m0 + BLOCK_M, p.Sq);
     if (m0 >= p.Sq) return {0, 0, 0, 0};  // a phantom block past the last row
-    const mask::Bounds mb = mask::bounds(m0, m1, p.Sq, p.Sk, tile.batch, tile.head);
+    const mask::Bounds mb = mask::bounds(m0, m1, p.Sq, p.Sk, tile.batch, tile.head, p);
     Blocks b;
     b.n_begin = mb.kv_begin / BLOCK_N;
 #ifdef ATTNGEN_FAULT_DROP_LAST_PARTIAL_KV_TILE
@@ -177,7 +177,8 @@ __device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0,
 #pragma unroll
     for (int i = 0; i < S_REGS; ++i) {
         const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
-        if (!(k < p.Sk && mask::visible(q, k, p.Sq, p.Sk, tile.batch, tile.head))) s[i] = NEG_INF;
+        // Rows past Sq are never stored; skipping them keeps input reads in bounds.
+        if (!(k < p.Sk && q < p.Sq && mask::visible(q, k, p.Sq, p.Sk, tile.batch, tile.head, p))) s[i] = NEG_INF;
     }
 }
 
@@ -190,7 +191,8 @@ __device__ __forceinline__ void prepare_scores(float (&s)[S_REGS], int row0, con
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) {
             const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
-            s[i] = score::modify(s[i] * p.scale, q, k, p.Sq, p.Sk, tile.batch, tile.head);
+            if (q < p.Sq && k < p.Sk)  // in bounds for the modifier's runtime inputs
+                s[i] = score::modify(s[i] * p.scale, q, k, p.Sq, p.Sk, tile.batch, tile.head, p);
         }
     }
     if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), p, tile, lane);

@@ -1,0 +1,121 @@
+"""Runtime inputs (attngen/runtime_inputs.py) without a GPU: the reference reads them, every call is
+checked so the kernel can never read outside an input (ranges by interval arithmetic over the
+call), the kernel ABI grows a pointer and strides per input, and the kernels compile with them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import attngen
+from attngen import families, masks, reference, score_mods, targets
+from attngen.errors import SpecError
+from attngen.runtime_inputs import check, declared
+from attngen.runtime.tensors import TensorInfo
+from attngen.spec import AttentionSpec
+
+attngen.register()
+DOC_MASK = "doc[b, q_idx] == doc[b, kv_idx] and causal"
+
+
+def info(name, shape, dtype="int32", device=0):
+    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return TensorInfo(name, "torch", 0, tuple(shape), strides, dtype, device)
+
+
+def programs(mask, score_mod=None):
+    out = [masks.get_mask(mask).program]
+    return out + ([score_mods.get_score_mod(score_mod).program] if score_mod else [])
+
+
+def test_the_reference_reads_document_ids_and_slopes():
+    gen = torch.Generator().manual_seed(1)
+    B, S, H, D = 2, 24, 4, 64
+    q, k, v = (torch.randn(B, S, H, D, generator=gen, dtype=torch.float64) for _ in range(3))
+    doc = torch.tensor([[0] * 10 + [1] * 14, [0] * 3 + [1] * 3 + [2] * 18], dtype=torch.int32)
+    slope = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    spec = AttentionSpec(head_dim=64, mask=DOC_MASK, score_mod="alibi")
+    out = reference.attention_for_spec(q, k, v, spec, inputs={"doc": doc, "slope": slope})
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 8
+    pos = torch.arange(S)
+    scores = scores - slope.double()[None, :, None, None] * (pos[:, None] - pos[None, :]).abs()
+    visible = (doc[:, :, None] == doc[:, None, :])[:, None] & (pos[None, :] <= pos[:, None])
+    expected = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~visible, -math.inf).softmax(-1), v)
+    assert torch.allclose(out, expected, atol=1e-12)
+
+
+def test_every_index_must_stay_inside_its_input():
+    mask = programs(DOC_MASK)
+    wanted = declared(*mask)
+    ok = {"doc": info("doc", (2, 300))}
+    check(mask, wanted, ok, batch=2, heads_q=8, seq_q=300, seq_k=300, device=0)
+    cases = [
+        ({}, "reads input 'doc'"),
+        ({**ok, "bias": info("bias", (8,), "float32")}, r"\['bias'\] are not read"),
+        ({"doc": info("doc", (2, 300), "int64")}, "dtype int64; allowed: int32"),
+        ({"doc": info("doc", (600,))}, "indexes it with 2 indices"),
+        ({"doc": info("doc", (2, 299))}, r"index 1 of input 'doc' takes values in \[0, 299\]"),
+        ({"doc": info("doc", (1, 300))}, r"index 0 of input 'doc' takes values in \[0, 1\]"),
+        ({"doc": info("doc", (2, 300), device=1)}, "on cuda:1 but q is on cuda:0"),
+    ]
+    for given, message in cases:
+        with pytest.raises(ValueError, match=message):
+            check(mask, wanted, given, batch=2, heads_q=8, seq_q=300, seq_k=300, device=0)
+
+
+def test_an_index_read_from_another_input_is_refused():
+    mask = programs("doc[b, pos[q_idx]] == 0")
+    wanted = declared(*mask)
+    with pytest.raises(ValueError, match="depends on another runtime input"):
+        check(mask, wanted, {"doc": info("doc", (1, 10)), "pos": info("pos", (10,))}, 1, 1, 10, 10, 0)
+
+
+def test_bottom_right_positions_are_bounded_by_the_call():
+    # q_idx + (kv_len - q_len) reaches kv_len - 1: a per-key table of length Sk is enough, Sk - 1 is not.
+    mask = programs("limit[q_idx + (kv_len - q_len)] >= kv_idx")
+    wanted = declared(*mask)
+    check(mask, wanted, {"limit": info("limit", (500,))}, 1, 1, 100, 500, 0)
+    with pytest.raises(ValueError, match=r"takes values in \[400, 499\]"):
+        check(mask, wanted, {"limit": info("limit", (499,))}, 1, 1, 100, 500, 0)
+
+
+def test_one_name_cannot_be_read_as_an_int_and_a_float():
+    with pytest.raises(SpecError, match="read by the mask .* and by the score modifier"):
+        AttentionSpec(head_dim=64, mask="w[h] > 0", score_mod="score * w[h]")
+
+
+@pytest.mark.parametrize("family", ["fwd_sm80", "fwd_sm90"])
+def test_the_abi_carries_each_input_and_the_kernels_compile(family):
+    from attngen.build import nvcc
+
+    spec = AttentionSpec(head_dim=128, mask=DOC_MASK, score_mod="alibi", family=family)
+    plan = families.plan_spec(spec, targets.target("sm_90a" if family == "fwd_sm90" else "sm_80"))
+    names = [p.name for p in plan.kernels[0].abi.params]
+    assert names[-5:] == ["in_doc", "in_doc_s0", "in_doc_s1", "in_slope", "in_slope_s0"]
+    source = families.get_family(family).render(plan)
+    assert "p.in_doc[" in source and "p.in_slope[" in source
+    if nvcc.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    report = nvcc.check_plan(plan)
+    if family == "fwd_sm90":  # the Hopper family keeps 0 spills; fwd_sm80 at d128 spills a little (docs/masks.md)
+        assert report.spill_bytes == 0, report
+
+
+def test_the_fake_op_checks_inputs_and_torch_compile_traces_them():
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(2, 100, 8, 64, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(2, 100, 2, 64, dtype=torch.bfloat16, device="cuda")
+        doc = torch.empty(2, 100, dtype=torch.int32, device="cuda")
+        slope = torch.empty(8, dtype=torch.float32, device="cuda")
+
+        def layer(q, k, v, doc, slope):
+            return attngen.attention(q, k, v, mask=DOC_MASK, score_mod="alibi", inputs={"doc": doc, "slope": slope})
+
+        out = torch.compile(layer, backend="eager", fullgraph=True)(q, k, k, doc, slope)
+        assert out.shape == q.shape
+        with pytest.raises(Exception, match="index 1 of input 'doc'"):
+            torch.ops.attngen.forward(q, k, k, AttentionSpec(head_dim=64, gqa_ratio=4, mask=DOC_MASK).key(), None,
+                                      ["doc"], [torch.empty(2, 50, dtype=torch.int32, device="cuda")])
