@@ -55,7 +55,7 @@ class _FakeKernel:
     def __init__(self, plan):
         self.plan = plan
 
-    def __call__(self, q, k, v, *, out, lse, softmax_scale=None):
+    def __call__(self, q, k, v, *, out, lse, softmax_scale=None, inputs=None):
         pass
 
 

@@ -707,9 +707,18 @@ def check_derivative(program, scores, q, k, q_len, kv_len, b, h):
     if y.requires_grad:  # a constant modifier has no graph
         (grad,) = torch.autograd.grad(y.sum(), x, allow_unused=True)
         expected = expected if grad is None else grad
-    got = program.derivative().dense(scores, q, k, q_len, kv_len, b, h, inputs)
-    torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-9, equal_nan=True,
-                               msg=lambda m: f"{program.canonical}\n d: {program.derivative().canonical}\n{m}")
+    derivative = program.derivative()
+    got = derivative.dense(scores, q, k, q_len, kv_len, b, h, inputs)
+    # At a kink (abs at 0, a tie of min/max) the derivative is a convention: abs takes 0 as autograd
+    # does, a tie takes the first argument's side where autograd splits it. There, got must be
+    # autograd's value or one of the one-sided derivatives.
+    left = derivative.dense(scores - 1e-6, q, k, q_len, kv_len, b, h, inputs)
+    right = derivative.dense(scores + 1e-6, q, k, q_len, kv_len, b, h, inputs)
+    smooth = torch.isclose(left, right, rtol=1e-4, atol=1e-6, equal_nan=True)
+    near = [torch.isclose(got, other, rtol=1e-4, atol=1e-6, equal_nan=True) for other in (expected, left, right)]
+    assert (smooth | near[0] | near[1] | near[2]).all(), (program.canonical, scores, got, expected, left, right)
+    torch.testing.assert_close(got[smooth], expected[smooth], rtol=1e-7, atol=1e-9, equal_nan=True,
+                               msg=lambda m: f"{program.canonical}\n d: {derivative.canonical}\n{m}")
 
 
 @SETTINGS

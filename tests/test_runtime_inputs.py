@@ -119,3 +119,20 @@ def test_the_fake_op_checks_inputs_and_torch_compile_traces_them():
         with pytest.raises(Exception, match="index 1 of input 'doc'"):
             torch.ops.attngen.forward(q, k, k, AttentionSpec(head_dim=64, gqa_ratio=4, mask=DOC_MASK).key(), None,
                                       ["doc"], [torch.empty(2, 50, dtype=torch.int32, device="cuda")])
+
+
+def test_fuzz_cases_draw_runtime_inputs_sized_to_the_case_and_check_them():
+    from attngen.fuzz.case import FuzzCase, host_runtime_inputs, input_digest, input_shapes
+    from attngen.fuzz.check import run_case
+    from attngen.fuzz.runners import ReferenceRunner
+
+    spec = AttentionSpec(head_dim=64, gqa_ratio=2, mask=DOC_MASK, score_mod="alibi")
+    case = FuzzCase(spec, batch=2, seq_q=17, seq_k=40, heads_kv=2, data_seed=3)
+    assert input_shapes(case) == {"doc": (2, 40), "slope": (4,)}
+    drawn = host_runtime_inputs(case)
+    assert drawn["doc"].dtype == torch.int32 and (drawn["doc"].diff(dim=-1) >= 0).all()  # runs of documents
+    assert drawn["slope"].dtype == torch.float32 and 0 <= drawn["slope"].min() and drawn["slope"].max() < 0.5
+    assert all(torch.equal(a, b) for a, b in zip(drawn.values(), host_runtime_inputs(case).values()))
+    assert input_digest(case) != input_digest(FuzzCase(spec, batch=2, seq_q=17, seq_k=40, heads_kv=2, data_seed=4))
+    result = run_case(case, ReferenceRunner())
+    assert result.ok, result.describe()

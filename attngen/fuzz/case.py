@@ -212,6 +212,65 @@ def make_inputs(case: FuzzCase, device) -> list[Poisoned]:
     return placed
 
 
+# Runtime inputs (attngen/runtime_inputs.py) of a spec whose mask or score modifier reads tensors.
+# Drawn from the case's seed like q, k, v; each dim just large enough for every index the
+# expressions compute over the case. An int input (a mask's: document ids, limits) is a random
+# non-decreasing run of small ids along its last dim, so consecutive positions share ids as packed
+# documents do, with runs of length 1 and ids skipped; a float input (a modifier's: slopes, a bias)
+# is uniform in [0, 0.5), which keeps scores no larger than the tolerances assume.
+MAX_ID = 5
+
+
+def input_shapes(case: FuzzCase) -> dict[str, tuple[int, ...]]:
+    """name -> the smallest shape holding every index the spec's expressions compute over the case."""
+    from attngen.families.base import problem_inputs
+    from attngen.maskc.cuda import static_range
+    from attngen.masks import get_mask
+    from attngen.runtime_inputs import index_nodes
+    from attngen.score_mods import get_score_mod
+
+    problem = case.spec.problem
+    declared = problem_inputs(problem)
+    if not declared:
+        return {}
+    programs = [get_mask(problem.mask).program]
+    if problem.score_mod is not None:
+        programs.append(get_score_mod(problem.score_mod).program)
+    ranges = {"b": (0, case.batch - 1), "h": (0, case.heads_q - 1), "q_idx": (0, case.seq_q - 1),
+              "kv_idx": (0, case.seq_k - 1), "q_len": (case.seq_q, case.seq_q), "kv_len": (case.seq_k, case.seq_k)}
+    shapes = {d.name: [1] * d.arity for d in declared}
+    for program in programs:
+        memo: dict = {}
+        for name, dim, node in index_nodes(program):
+            bound = static_range(node, memo, ranges)
+            if bound is None or bound[0] < 0:
+                raise ValueError(f"the fuzzer cannot size input {name!r}: index {dim} takes values {bound} over the case")
+            shapes[name][dim] = max(shapes[name][dim], bound[1] + 1)
+    return {name: tuple(shape) for name, shape in shapes.items()}
+
+
+def host_runtime_inputs(case: FuzzCase) -> dict[str, torch.Tensor]:
+    """The case's runtime inputs on the CPU, by name: a pure function of the case."""
+    from attngen.families.base import problem_inputs
+
+    shapes = input_shapes(case)
+    gen = torch.Generator().manual_seed(case.data_seed ^ 0x5EED)  # q, k, v keep their own stream
+    inputs = {}
+    for d in problem_inputs(case.spec.problem):
+        shape = shapes[d.name]
+        if d.kind == "mask":
+            steps = torch.randint(0, 3, shape, generator=gen, dtype=torch.int32) * (torch.rand(shape, generator=gen) < 0.15)
+            values = torch.cumsum(steps, dim=-1, dtype=torch.int32) if shape else steps
+            inputs[d.name] = values.clamp_(max=MAX_ID).to(torch.int32)
+        else:
+            inputs[d.name] = torch.rand(shape, generator=gen) * 0.5
+    return inputs
+
+
+def make_runtime_inputs(case: FuzzCase, device) -> dict[str, torch.Tensor]:
+    return {name: t.to(device) for name, t in host_runtime_inputs(case).items()}
+
+
 def make_outputs(case: FuzzCase, device) -> tuple[Poisoned, Poisoned]:
     """out (in the case's layout) and LSE (contiguous: the kernel contract), both all NaN."""
     out = poisoned(case.q_shape, case.layout, torch_dtype(case.spec.dtype), device)
@@ -222,6 +281,6 @@ def make_outputs(case: FuzzCase, device) -> tuple[Poisoned, Poisoned]:
 def input_digest(case: FuzzCase) -> str:
     """sha256 of the case's input bytes: a replay checks it regenerated the same data."""
     digest = hashlib.sha256()
-    for t in host_inputs(case):
+    for t in (*host_inputs(case), *host_runtime_inputs(case).values()):
         digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

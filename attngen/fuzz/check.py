@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from attngen import reference, tolerance
 from attngen.errors import is_sticky_cuda_error
-from attngen.fuzz.case import FuzzCase, make_inputs, make_outputs
+from attngen.fuzz.case import FuzzCase, make_inputs, make_outputs, make_runtime_inputs
 from attngen.fuzz.runners import Runner
 
 # What each kernel failure kind means; also the order in which the checks run.
@@ -71,11 +71,13 @@ def run_case(case: FuzzCase, runner: Runner) -> CaseResult:
 
     try:
         q, k, v = (p.view for p in make_inputs(case, runner.device))
+        inputs = make_runtime_inputs(case, runner.device) or None
         out, lse = make_outputs(case, runner.device)
     except Exception as exc:  # noqa: BLE001 - out of memory, typically
         return harness_failure("making the inputs and outputs", exc)
     try:
-        runner(case.spec, q, k, v, out=out.view, lse=lse.view, softmax_scale=case.softmax_scale)
+        extra = {"inputs": inputs} if inputs else {}  # runners of specs without runtime inputs need not take them
+        runner(case.spec, q, k, v, out=out.view, lse=lse.view, softmax_scale=case.softmax_scale, **extra)
     except Exception as exc:  # noqa: BLE001 - whatever the runner raises is this case's failure
         message = f"{type(exc).__name__}: {exc}"
         return result("device" if is_sticky_cuda_error(message) else "crash", message)
@@ -85,7 +87,7 @@ def run_case(case: FuzzCase, runner: Runner) -> CaseResult:
             if where is not None:
                 return result("guard", f"{name}'s buffer was written outside the tensor, at {where}")
         ref, ref_lse = reference.attention_for_spec(q, k, v, case.spec, softmax_scale=case.softmax_scale,
-                                                    return_lse=True)
+                                                    return_lse=True, inputs=inputs)
         bad = tolerance.check_output(out.view, ref, q, k, v, case.spec.dtype, case.scale)
         if bad is not None:
             return result("output", str(bad))

@@ -49,6 +49,8 @@ PROBLEMS = (
     Problem(64, "bf16", mask="causal", score_mod="softcap(20.0)"),
     Problem(256, "bf16", gqa_ratio=2, mask="causal", score_mod="softcap(50.0)"),
     Problem(128, "fp16", gqa_ratio=2, mask="sliding_window(96, 32)", score_mod="score - 0.125 * abs(q_idx - kv_idx)"),
+    # Runtime inputs: packed documents under causal, with ALiBi slopes per head.
+    Problem(128, "bf16", gqa_ratio=2, mask="doc[b, q_idx] == doc[b, kv_idx] and causal", score_mod="alibi"),
 )
 EXTRA_CONFIGS = 3  # non-default configs per family
 RANDOM_GQA_RATIOS = (1, 2, 3, 4, 8)

@@ -38,7 +38,8 @@ class Runner(Protocol):
 
     def kernel_name(self, spec: AttentionSpec) -> str: ...
 
-    def __call__(self, spec: AttentionSpec, q, k, v, *, out, lse, softmax_scale: float | None) -> None: ...
+    def __call__(self, spec: AttentionSpec, q, k, v, *, out, lse, softmax_scale: float | None,
+                 inputs: dict | None = None) -> None: ...
 
 
 class KernelRunner:
@@ -73,11 +74,11 @@ class KernelRunner:
     def kernel_name(self, spec: AttentionSpec) -> str:
         return plan_spec(spec, self.target, fault=self.fault).name
 
-    def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None) -> None:
+    def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None, inputs=None) -> None:
         from attngen.runtime import dispatch
 
         kernel = dispatch.compile(spec, self.device_index, fault=self.fault)
-        kernel(q, k, v, out=out, lse=lse, softmax_scale=softmax_scale)
+        kernel(q, k, v, out=out, lse=lse, softmax_scale=softmax_scale, inputs=inputs)
         self.launched.append(kernel.plan.name)
         torch.cuda.synchronize(self.device_index)  # an asynchronous launch error surfaces here, in this case
 
@@ -93,8 +94,8 @@ class ReferenceRunner:
     def kernel_name(self, spec: AttentionSpec) -> str:
         return plan_spec(spec, self.target).name
 
-    def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None) -> None:
+    def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None, inputs=None) -> None:
         o, l = reference.attention_for_spec(q, k, v, spec, softmax_scale=softmax_scale, return_lse=True,
-                                            compute_dtype=torch.float32)
+                                            compute_dtype=torch.float32, inputs=inputs)
         out.copy_(o)
         lse.copy_(l)
