@@ -29,7 +29,8 @@ _SPEC_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 
 
 def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = None, score_mod: str | None = None,
-              inputs: dict | None = None, softmax_scale: float | None = None, return_lse: bool = False):
+              sink: str | None = None, inputs: dict | None = None, softmax_scale: float | None = None,
+              return_lse: bool = False):
     """Attention forward, softmax(score_mod(scale * q k^T) + mask) v, in one fused kernel.
 
     Args:
@@ -52,6 +53,10 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
             mask: "softcap(30.0)" (Gemma 2: 30 * tanh(score / 30)), "score - 0.25 * abs(q_idx -
             kv_idx)" (docs/masks.md). With a spec, it must agree with the spec's score_mod.
         softmax_scale: the scale of q k^T; default the spec's, else 1 / sqrt(head_dim).
+        sink: None (default), or an expression over b, h, q_idx, q_len, kv_len (and runtime
+            inputs) giving a logit per row that joins the softmax's denominator only: learned
+            attention sinks as in gpt-oss, sink="sinks[h]" with inputs={"sinks": (heads_q,)
+            float32}. A row that sees no key then has output 0 and LSE = its sink.
         inputs: the runtime inputs the mask and score modifier read, by name: int32 tensors for a
             mask (e.g. mask="doc[b, q_idx] == doc[b, kv_idx] and causal" with inputs={"doc": ids},
             ids of shape (batch, seq) for packed documents), float32 for a score modifier (e.g.
@@ -82,16 +87,16 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
                              "torch.no_grad() or detach the inputs")
         if EAGER_DIRECT and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor \
                 and not torch.compiler.is_compiling():
-            out, lse = _eager(torch, q, k, v, spec, mask, score_mod, softmax_scale, inputs)
+            out, lse = _eager(torch, q, k, v, spec, (mask, score_mod, sink), softmax_scale, inputs)
         else:
             names, tensors = _split_inputs(inputs)
-            out, lse = (_OP or register())(q, k, v, _spec_key(q, k, spec, mask, score_mod), softmax_scale, names,
-                                           tensors)
+            out, lse = (_OP or register())(q, k, v, _spec_key(q, k, spec, mask, score_mod, sink), softmax_scale,
+                                           names, tensors)
     else:
         from attngen.runtime.dispatch import forward
 
-        out, lse = forward(q, k, v, _spec_from_key(_spec_key(q, k, spec, mask, score_mod)), softmax_scale=softmax_scale,
-                           inputs=inputs)
+        out, lse = forward(q, k, v, _spec_from_key(_spec_key(q, k, spec, mask, score_mod, sink)),
+                           softmax_scale=softmax_scale, inputs=inputs)
     return (out, lse) if return_lse else out
 
 
@@ -107,7 +112,7 @@ def _split_inputs(inputs) -> tuple[list, list]:
     return names, [inputs[name] for name in names]
 
 
-def _eager(torch, q, k, v, spec, mask, score_mod, softmax_scale, inputs=None):
+def _eager(torch, q, k, v, spec, texts, softmax_scale, inputs=None):
     """The op's implementation for plain tensors, called directly. A layout seen before (same
     arguments, shapes, strides, dtypes, devices; pointers 16-byte aligned) runs its Prepared call
     (attngen/runtime/prepared.py) without repeating the checks: the launch overhead of a tiny call."""
@@ -115,24 +120,23 @@ def _eager(torch, q, k, v, spec, mask, score_mod, softmax_scale, inputs=None):
 
     key = None
     names, tensors = _split_inputs(inputs)
-    if (mask is None or type(mask) is str) and (score_mod is None or type(score_mod) is str) \
+    if all(text is None or type(text) is str for text in texts) \
             and (softmax_scale is None or type(softmax_scale) in (float, int)) \
             and (spec is None or type(spec) is AttentionSpec) and all(type(t) is torch.Tensor for t in tensors):
-        key = (spec, mask, score_mod, softmax_scale, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(),
+        key = (spec, texts, softmax_scale, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(),
                k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device,
                tuple((name, t.shape, t.stride(), t.dtype, t.device) for name, t in zip(names, tensors)))
         prepared = dispatch.eager_prepared.get(key)
         if prepared is not None and not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16) \
                 and prepared.current():
             return prepared.run_torch(torch, q, k, v, torch_stream(torch, prepared.device), tensors)
-    prepared = dispatch.prepare(q, k, v, _spec_from_key(_spec_key(q, k, spec, mask, score_mod)), softmax_scale,
-                                inputs)
+    prepared = dispatch.prepare(q, k, v, _spec_from_key(_spec_key(q, k, spec, *texts)), softmax_scale, inputs)
     if key is not None:
         dispatch.remember(dispatch.eager_prepared, key, prepared)
     return prepared.run_torch(torch, q, k, v, torch_stream(torch, prepared.device), tensors)
 
 
-def _spec_key(q, k, spec, mask, score_mod=None) -> str:
+def _spec_key(q, k, spec, mask, score_mod=None, sink=None) -> str:
     """The canonical key of the spec a call runs: pure Python over tensor metadata, so torch.compile
     traces it into constants."""
     if spec is not None:
@@ -141,13 +145,15 @@ def _spec_key(q, k, spec, mask, score_mod=None) -> str:
         if mask is not None and _known_texts("mask", mask)[0] != spec.mask:
             raise ValueError(f"mask={mask!r} conflicts with the spec's mask={spec.mask!r}; allowed: None or the "
                              "spec's mask")
-        if score_mod is not None and _known_texts("score_mod", score_mod)[0] != spec.score_mod:
-            raise ValueError(f"score_mod={score_mod!r} conflicts with the spec's score_mod={spec.score_mod!r}; "
-                             "allowed: None or the spec's score_mod")
+        for name, text in (("score_mod", score_mod), ("sink", sink)):
+            if text is not None and _known_texts(name, text)[0] != getattr(spec, name):
+                raise ValueError(f"{name}={text!r} conflicts with the spec's {name}={getattr(spec, name)!r}; "
+                                 f"allowed: None or the spec's {name}")
         return spec.key()
     mask_json = _known_texts("mask", "none" if mask is None else mask)[1]  # ValueError naming mask=, what is allowed
     # The score modifier's field, when it changes scores (its JSON includes the leading comma).
     score_json = "" if score_mod is None else _known_texts("score_mod", score_mod)[1]
+    sink_json = "" if sink is None else _known_texts("sink", sink)[1]
     for name, t in (("q", q), ("k", k)):
         if len(t.shape) != 4:
             raise ValueError(f"{name} must have 4 dims (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
@@ -163,7 +169,7 @@ def _spec_key(q, k, spec, mask, score_mod=None) -> str:
                          f"at most {MAX_GQA_RATIO} times")
     # AttentionSpec.key()'s canonical JSON, spelled out (fields sorted, no spaces).
     return (f'{{"dtype":"{dtype}","gqa_ratio":{heads_q // heads_kv},"head_dim":{head_dim},"mask":{mask_json}'
-            f'{score_json}}}')
+            f'{score_json}{sink_json}}}')
 
 
 def _known_texts(kind: str, text) -> tuple[str | None, str]:
@@ -185,8 +191,8 @@ def _texts(kind: str, text) -> tuple[str | None, str]:
     if kind == "mask":
         canonical = masks.canonical(text)
         return canonical, json.dumps(canonical)
-    canonical = score_mods.canonical(text)
-    return canonical, "" if canonical is None else f',"score_mod":{json.dumps(canonical)}'
+    canonical = score_mods.canonical(text) if kind == "score_mod" else score_mods.canonical_sink(text)
+    return canonical, "" if canonical is None else f',"{kind}":{json.dumps(canonical)}'
 
 
 _TEXT_CACHE: dict[tuple[str, str], tuple] = {("mask", "none"): ("none", '"none"'),

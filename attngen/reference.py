@@ -33,9 +33,11 @@ def attention(
     compute_dtype: torch.dtype = torch.float64,
     score_mod: str | None = None,
     inputs: dict | None = None,
+    sink: str | None = None,
 ):
     """softmax(score_mod(scale * q k^T) + mask) v; returns out, or (out, lse) when return_lse.
-    `inputs`: the runtime inputs the mask and score modifier read, by name (docs/masks.md)."""
+    `inputs`: the runtime inputs the expressions read, by name (docs/masks.md); `sink`: a logit
+    per row that joins the softmax's denominator only (so a row's weights sum to less than 1)."""
     ratio = _check_inputs(q, k, v, gqa_ratio, compute_dtype)
     lowering = get_mask(mask)  # raises ValueError naming mask= and what is allowed
     modifier = None if score_mod is None else get_score_mod(score_mod)
@@ -60,6 +62,11 @@ def attention(
     scores = scores.masked_fill(~torch.broadcast_to(visible, scores.shape), -math.inf)
 
     lse = torch.logsumexp(scores, dim=-1)  # -inf for a row with no visible key
+    if sink is not None:
+        zero = torch.zeros((), dtype=scores.dtype, device=q.device)
+        sinks = get_score_mod(sink).program.dense(zero, q_idx[:, 0], 0, Sq, Sk, b=b[..., 0], h=h[..., 0],
+                                                  inputs=inputs)
+        lse = torch.logaddexp(lse, torch.broadcast_to(sinks, lse.shape))
     # Subtracting a -inf LSE would give NaN; with 0 instead every exp(-inf) is exactly 0.
     probs = torch.exp(scores - torch.where(lse == -math.inf, 0.0, lse)[..., None])
     out = torch.einsum("bgrqk,bgkd->bgrqd", probs, vg)
@@ -91,6 +98,7 @@ def attention_for_spec(
     return attention(
         q, k, v, mask=problem.mask, softmax_scale=check_scale(softmax_scale, problem), gqa_ratio=problem.gqa_ratio,
         return_lse=return_lse, compute_dtype=compute_dtype, score_mod=problem.score_mod, inputs=inputs,
+        sink=problem.sink,
     )
 
 

@@ -40,18 +40,23 @@ class Declared:
         return KINDS[self.kind][2]
 
 
-def declared(mask_program, score_mod_program=None) -> tuple[Declared, ...]:
-    """The inputs a mask and a score modifier read, sorted by name; ValueError when one name is read
+def declared(programs) -> tuple[Declared, ...]:
+    """The inputs a list of (kind, program) reads, sorted by name; ValueError when one name is read
     as both kinds (an int32 and a float32 tensor cannot be one input)."""
     found: dict[str, Declared] = {}
-    for kind, program in (("mask", mask_program), ("score_mod", score_mod_program)):
-        for name, arity in (program.inputs if program is not None else ()):
+    for kind, program in programs:
+        for name, arity in program.inputs:
             other = found.get(name)
-            if other is not None and other.kind != kind:
-                raise ValueError(f"input {name!r} is read by the mask (an int32 tensor) and by the score modifier "
-                                 "(a float32 tensor); allowed: one name per input, e.g. rename one of them")
+            if other is not None and (other.kind != kind or other.arity != arity):
+                raise ValueError(f"input {name!r} is read as {_what(other)} and as {_what(Declared(name, arity, kind))}; "
+                                 "allowed: one name per input, e.g. rename one of them")
             found[name] = Declared(name, arity, kind)
     return tuple(found[n] for n in sorted(found))
+
+
+def _what(d: Declared) -> str:
+    return f"{'an int32' if d.kind == 'mask' else 'a float32'} tensor with {d.arity} indices " \
+           f"(by the {'mask' if d.kind == 'mask' else 'score modifier or sink'})"
 
 
 def input_ref(name: str, index_code: list) -> str:

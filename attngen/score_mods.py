@@ -50,6 +50,29 @@ def get_score_mod(text: str) -> ScoreModLowering:
     return ScoreModLowering(stored, program.slug, program.cuda_expr(input_ref), maskc.cuda_preamble(), program)
 
 
+SINK_ALLOWED = ("an expression over b, h, q_idx, q_len, kv_len and runtime inputs giving the row's sink logit, "
+                "e.g. sinks[h] with inputs={'sinks': a float32 (heads_q,) tensor}, or None")
+SINK_VARIABLES = {"b", "h", "q_idx", "q_len", "kv_len"}
+
+
+def canonical_sink(text: str) -> str:
+    """What a spec stores for an attention-sink expression: a per-row logit that joins the softmax's
+    denominator only. ValueError naming sink= and what is allowed."""
+    from attngen import maskc
+    from attngen.maskc.ir import Var, walk
+
+    if not isinstance(text, str):
+        raise ValueError(f"sink={text!r} is invalid; allowed: {SINK_ALLOWED}")
+    try:
+        program = maskc.compile_score_mod(text)
+    except maskc.ExprError as exc:
+        raise ValueError(f"sink={text!r} is invalid: {exc}; allowed: {SINK_ALLOWED}") from None
+    used = {node.name for node in walk(program.ir) if isinstance(node, Var)} - SINK_VARIABLES
+    if used:
+        raise ValueError(f"sink={text!r} reads {sorted(used)}: a sink is one logit per row; allowed: {SINK_ALLOWED}")
+    return maskc.stored_text(text, "score_mod")
+
+
 def canonical(text: str | None) -> str | None:
     """What a spec stores for a score modifier (None for none, or for one that leaves scores as they are)."""
     if text is None:

@@ -33,7 +33,7 @@ HEAD_DIMS = (64, 96, 128, 256)
 MAX_GQA_RATIO = 1024
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
-PROBLEM_FIELDS = ("head_dim", "dtype", "gqa_ratio", "mask", "softmax_scale", "score_mod")
+PROBLEM_FIELDS = ("head_dim", "dtype", "gqa_ratio", "mask", "softmax_scale", "score_mod", "sink")
 # Tile fields of attngen 0.1, now config fields of the fwd_sm80 family: named in a clear error.
 LEGACY_TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
@@ -71,6 +71,7 @@ class Problem:
     mask: str = "none"
     softmax_scale: float | None = None
     score_mod: str | None = None  # None: scores as they are
+    sink: str | None = None  # an attention-sink logit per row; None: no sink
 
     @property
     def scale(self) -> float:
@@ -90,6 +91,8 @@ class Problem:
         parts = [get_mask(self.mask).slug, f"d{self.head_dim}", f"gqa{self.gqa_ratio}", self.dtype]
         if self.score_mod is not None:
             parts.insert(1, get_score_mod(self.score_mod).slug)
+        if self.sink is not None:
+            parts.insert(1, "sink_" + get_score_mod(self.sink).slug)
         if self.softmax_scale is not None:
             # float32 bits keep the name exact and a valid C identifier.
             parts.append("scale" + struct.pack(">f", self.softmax_scale).hex())
@@ -142,6 +145,7 @@ class AttentionSpec:
     config: Mapping[str, Any] | None = None  # pinned config fields of `family`
     arch: str | None = None  # stored as the exact compile target, e.g. "sm_90a"
     score_mod: str | None = None  # an expression over score (docs/masks.md); None: scores as they are
+    sink: str | None = None  # an attention-sink logit expression, e.g. "sinks[h]"; None: no sink
     # Where the spec came from (a file path), used only to make errors name it.
     source: str | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -180,13 +184,23 @@ class AttentionSpec:
                     object.__setattr__(self, "score_mod", score_mods.canonical(self.score_mod))
                 except ValueError as exc:
                     fail("score_mod", str(exc))
-        if not problems and (self.score_mod is not None):
+        if self.sink is not None:
+            if not isinstance(self.sink, str):
+                hint = _type_hint(self.sink, "a string")
+                fail("sink", f"sink={show(self.sink)} is invalid{hint}; allowed: {score_mods.SINK_ALLOWED}")
+            else:
+                try:
+                    object.__setattr__(self, "sink", score_mods.canonical_sink(self.sink))
+                except ValueError as exc:
+                    fail("sink", str(exc))
+        if not problems and (self.score_mod is not None or self.sink is not None):
+            from attngen.families.base import problem_programs
             from attngen.runtime_inputs import declared
 
             try:
-                declared(masks.get_mask(self.mask).program, score_mods.get_score_mod(self.score_mod).program)
+                declared(problem_programs(self.problem))
             except ValueError as exc:
-                fail("score_mod", str(exc))
+                fail("score_mod" if self.sink is None else "sink", str(exc))
         if self.softmax_scale is not None:
             ok = isinstance(self.softmax_scale, (int, float)) and not isinstance(self.softmax_scale, bool)
             # The kernel and the name take the scale as float32: it must be a positive normal float32.
@@ -240,7 +254,8 @@ class AttentionSpec:
     # -- derived ----------------------------------------------------------
     @property
     def problem(self) -> Problem:
-        return Problem(self.head_dim, self.dtype, self.gqa_ratio, self.mask, self.softmax_scale, self.score_mod)
+        return Problem(self.head_dim, self.dtype, self.gqa_ratio, self.mask, self.softmax_scale, self.score_mod,
+                       self.sink)
 
     @property
     def effective_scale(self) -> float:

@@ -212,8 +212,10 @@ __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, in
 
 
 // Score modifier none
-// Lowered by attngen/score_mods.py from its expression (attngen/maskc): applied to every scaled
-// score (softmax_scale * q.k) before the mask and the softmax.
+// Sink none
+// Lowered by attngen/score_mods.py from their expressions (attngen/maskc): the modifier applies to
+// every scaled score (softmax_scale * q.k) before the mask and the softmax; the sink is a logit
+// per row that joins the softmax's denominator only (gpt-oss's learned attention sinks).
 namespace score {
 constexpr bool MODIFIED = false;
 
@@ -224,6 +226,40 @@ __device__ __forceinline__ float modify(float score, int q, int k, int Sq, int S
     (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p;
     return score;
 }
+
+constexpr bool HAS_SINK = false;
+
+template <class P>
+__device__ __forceinline__ float sink(int q, int Sq, int Sk, int batch, int head, const P& p) {
+    const long long q_idx = q, kv_idx = 0, q_len = Sq, kv_len = Sk, b = batch, h = head;
+    const float score = 0.f;
+    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p; (void)score;
+    return 0.f;
+}
+
+// The end of one row's softmax: max2 is its running max in the log2 domain (-inf: no visible
+// key), sum its sum of exp2(s - max2). Writes the row's log-sum-exp (natural log) to lse and
+// returns what the row's accumulated P V is multiplied by. A sink adds exp(sink) to the
+// denominator; a row with no visible key then has output 0 and LSE = sink.
+template <class P>
+__device__ __forceinline__ float finish_row(float max2, float sum, int q, int Sq, int Sk, int batch, int head,
+                                            const P& p, float& lse) {
+    const float neg_inf = -__int_as_float(0x7f800000);
+    if constexpr (HAS_SINK) {
+        const float s2 = (q < Sq ? sink(q, Sq, Sk, batch, head, p) : 0.f) * 1.4426950408889634f;
+        const float m = fmaxf(max2, s2);
+        if (m == neg_inf) {
+            lse = neg_inf;
+            return 0.f;
+        }
+        const float keep = exp2f(max2 - m);  // 0 when max2 is -inf
+        sum = sum * keep + exp2f(s2 - m);
+        lse = (m + log2f(sum)) * 0.69314718055994530942f;
+        return keep / sum;
+    }
+    lse = sum > 0.f ? (max2 + log2f(sum)) * 0.69314718055994530942f : neg_inf;
+    return sum > 0.f ? 1.f / sum : 0.f;
+}
 }  // namespace score
 
 
@@ -232,7 +268,7 @@ __device__ __forceinline__ float modify(float score, int q, int k, int Sq, int S
 // Needs, from the rendered template: struct FwdParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N, SUB_N, NUM_WARPS,
 // NUM_STAGES, GQA_RATIO, Q_IN_REGS, ROW_SUMS_IN_SMEM, IS_BF16, elem_t }, namespace mask { Bounds,
 // bounds, visible } (attngen/cuda/mask.cuh.j2; attngen/masks.py says what they mean) and namespace
-// score { MODIFIED, modify } (attngen/cuda/score_mod.cuh.j2).
+// score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2).
 
 namespace fa {
 
@@ -299,7 +335,8 @@ __device__ __forceinline__ void load_tile(u32 dst, const elem_t* base, i64 row_s
 }
 
 // Rows with no visible key (or a CTA with no key block at all): output 0, LSE -inf.
-__device__ __forceinline__ void write_empty_rows(const Params& p, elem_t* o_base, float* lse_base, int m0) {
+__device__ __forceinline__ void write_empty_rows(const Params& p, elem_t* o_base, float* lse_base, int m0, int batch,
+                                                 int head) {
     for (int c = threadIdx.x; c < BLOCK_M * CHUNKS; c += THREADS) {
         const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
         if (m0 + r < p.Sq) {
@@ -307,7 +344,9 @@ __device__ __forceinline__ void write_empty_rows(const Params& p, elem_t* o_base
         }
     }
     for (int r = threadIdx.x; r < BLOCK_M; r += THREADS) {
-        if (m0 + r < p.Sq) lse_base[m0 + r] = NEG_INF;
+        float lse;  // -inf, or the sink's logit
+        score::finish_row(NEG_INF, 0.f, m0 + r, p.Sq, p.Sk, batch, head, p, lse);
+        if (m0 + r < p.Sq) lse_base[m0 + r] = lse;
     }
 }
 
@@ -346,7 +385,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     auto o_rows = [&]() { return p.o + batch * p.o_sb + head * p.o_sh; };
     auto lse_row = [&]() { return p.lse + ((i64)batch * p.Hq + head) * Sq; };
     if (n_blocks <= 0) {
-        write_empty_rows(p, o_rows(), lse_row(), m0);
+        write_empty_rows(p, o_rows(), lse_row(), m0, batch, head);
         return;
     }
     // Key blocks are visited from the last to the first, so masked blocks come first.
@@ -570,13 +609,11 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const float sum = quad_sum(row_sum(mt, h));
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
             const int r = mt * 16 + g + 8 * h;
             const int q = m0 + warp * WARP_ROWS + r;
-            if (t == 0 && q < Sq)
-                lse_base[q] = sum > 0.f ? (row_max[mt][h] + log2f(sum)) * 0.69314718055994530942f
-                                        : NEG_INF;
+            float lse;  // a row with no visible key: output 0, LSE -inf (or the sink)
+            const float inv = score::finish_row(row_max[mt][h], quad_sum(row_sum(mt, h)), q, Sq, Sk, batch, head, p, lse);
+            if (t == 0 && q < Sq) lse_base[q] = lse;
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
                 *reinterpret_cast<u32*>(warp_rows + r * ROW_BYTES + (dt * 8 + 2 * t) * 2) =

@@ -279,8 +279,10 @@ __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, in
 
 
 // Score modifier softcap_50: softcap(50.0)
-// Lowered by attngen/score_mods.py from its expression (attngen/maskc): applied to every scaled
-// score (softmax_scale * q.k) before the mask and the softmax.
+// Sink none
+// Lowered by attngen/score_mods.py from their expressions (attngen/maskc): the modifier applies to
+// every scaled score (softmax_scale * q.k) before the mask and the softmax; the sink is a logit
+// per row that joins the softmax's denominator only (gpt-oss's learned attention sinks).
 #ifndef ATTNGEN_MASKC_PREAMBLE
 #define ATTNGEN_MASKC_PREAMBLE
 // Python's floor division and modulo for a positive divisor d (C++ truncates toward zero).
@@ -329,6 +331,40 @@ __device__ __forceinline__ float modify(float score, int q, int k, int Sq, int S
     (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p;
     return (50.0f * maskc_tanhf((score / 50.0f)));
 }
+
+constexpr bool HAS_SINK = false;
+
+template <class P>
+__device__ __forceinline__ float sink(int q, int Sq, int Sk, int batch, int head, const P& p) {
+    const long long q_idx = q, kv_idx = 0, q_len = Sq, kv_len = Sk, b = batch, h = head;
+    const float score = 0.f;
+    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p; (void)score;
+    return 0.f;
+}
+
+// The end of one row's softmax: max2 is its running max in the log2 domain (-inf: no visible
+// key), sum its sum of exp2(s - max2). Writes the row's log-sum-exp (natural log) to lse and
+// returns what the row's accumulated P V is multiplied by. A sink adds exp(sink) to the
+// denominator; a row with no visible key then has output 0 and LSE = sink.
+template <class P>
+__device__ __forceinline__ float finish_row(float max2, float sum, int q, int Sq, int Sk, int batch, int head,
+                                            const P& p, float& lse) {
+    const float neg_inf = -__int_as_float(0x7f800000);
+    if constexpr (HAS_SINK) {
+        const float s2 = (q < Sq ? sink(q, Sq, Sk, batch, head, p) : 0.f) * 1.4426950408889634f;
+        const float m = fmaxf(max2, s2);
+        if (m == neg_inf) {
+            lse = neg_inf;
+            return 0.f;
+        }
+        const float keep = exp2f(max2 - m);  // 0 when max2 is -inf
+        sum = sum * keep + exp2f(s2 - m);
+        lse = (m + log2f(sum)) * 0.69314718055994530942f;
+        return keep / sum;
+    }
+    lse = sum > 0.f ? (max2 + log2f(sum)) * 0.69314718055994530942f : neg_inf;
+    return sum > 0.f ? 1.f / sum : 0.f;
+}
 }  // namespace score
 
 
@@ -374,7 +410,7 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[128], const u32 (&a)[4], u64
 // Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_N,
 // CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PERSISTENT, SET_MAX_REGS, PRODUCER_REGS,
 // CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
-// namespace score { MODIFIED, modify } (attngen/cuda/score_mod.cuh.j2),
+// namespace score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2),
 // and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS).
 
 namespace fa90 {
@@ -717,12 +753,10 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
     float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const float sum = quad_sum(row_sum[h]);
-        inv[h] = sum > 0.f ? 1.f / sum : 0.f;  // a row with no visible key: output 0, LSE -inf
         const int q = row0 + 8 * h;
-        if (lane % 4 == 0 && q < p.Sq)
-            p.lse[((i64)tile.batch * p.Hq + tile.head) * p.Sq + q] =
-                sum > 0.f ? (row_max[h] + log2f(sum)) * 0.69314718055994530942f : NEG_INF;
+        float lse;  // a row with no visible key: output 0, LSE -inf (or the sink)
+        inv[h] = score::finish_row(row_max[h], quad_sum(row_sum[h]), q, p.Sq, p.Sk, tile.batch, tile.head, p, lse);
+        if (lane % 4 == 0 && q < p.Sq) p.lse[((i64)tile.batch * p.Hq + tile.head) * p.Sq + q] = lse;
     }
 #pragma unroll
     for (int j = 0; j < O_REGS / 2; ++j) {

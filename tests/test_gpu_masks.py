@@ -110,3 +110,23 @@ def test_runtime_inputs_match_the_reference(gpu_family):
     assert tolerance.check_output(again, ref, q, k, v, "bf16", scale) is None
     with pytest.raises(ValueError, match="index 1 of input 'doc'"):
         attngen.attention(q, k, v, mask=DOC_MASK, score_mod="alibi", inputs={"doc": doc[:, :200], "slope": slope})
+
+
+def test_sinks_match_the_reference_with_rows_that_see_no_key(gpu_family):
+    """Per-head sinks under causal with Sk < Sq: the first rows see no key (output 0, LSE = sink)."""
+    import torch
+
+    B, Sq, Sk, Hkv, ratio = 2, 300, 200, 2, 2
+    spec = AttentionSpec(head_dim=128, mask="causal", sink="sinks[h]", gqa_ratio=ratio, family=gpu_family)
+    q, k, v = _inputs(B, Sq, Sk, Hkv, ratio, 128, seed=12)
+    inputs = {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0], device="cuda")}
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B, Hkv * ratio, Sq), float("nan"), device="cuda")
+    attngen.compile(spec)(q, k, v, out=out, lse=lse, inputs=inputs)
+    torch.cuda.synchronize()
+    ref, ref_lse = reference.attention_for_spec(q, k, v, spec, return_lse=True, inputs=inputs)
+    scale = spec.effective_scale
+    bad = tolerance.check_output(out, ref, q, k, v, "bf16", scale) or tolerance.check_lse(lse, ref_lse, q, k, scale)
+    assert bad is None, bad
+    assert torch.equal(out[:, :100], torch.zeros_like(out[:, :100]))
+    assert torch.allclose(lse[:, :, :100], inputs["sinks"][None, :, None].expand(B, 4, 100))

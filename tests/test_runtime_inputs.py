@@ -49,7 +49,7 @@ def test_the_reference_reads_document_ids_and_slopes():
 
 def test_every_index_must_stay_inside_its_input():
     mask = programs(DOC_MASK)
-    wanted = declared(*mask)
+    wanted = declared([("mask", program) for program in mask])
     ok = {"doc": info("doc", (2, 300))}
     check(mask, wanted, ok, batch=2, heads_q=8, seq_q=300, seq_k=300, device=0)
     cases = [
@@ -68,7 +68,7 @@ def test_every_index_must_stay_inside_its_input():
 
 def test_an_index_read_from_another_input_is_refused():
     mask = programs("doc[b, pos[q_idx]] == 0")
-    wanted = declared(*mask)
+    wanted = declared([("mask", program) for program in mask])
     with pytest.raises(ValueError, match="depends on another runtime input"):
         check(mask, wanted, {"doc": info("doc", (1, 10)), "pos": info("pos", (10,))}, 1, 1, 10, 10, 0)
 
@@ -76,14 +76,14 @@ def test_an_index_read_from_another_input_is_refused():
 def test_bottom_right_positions_are_bounded_by_the_call():
     # q_idx + (kv_len - q_len) reaches kv_len - 1: a per-key table of length Sk is enough, Sk - 1 is not.
     mask = programs("limit[q_idx + (kv_len - q_len)] >= kv_idx")
-    wanted = declared(*mask)
+    wanted = declared([("mask", program) for program in mask])
     check(mask, wanted, {"limit": info("limit", (500,))}, 1, 1, 100, 500, 0)
     with pytest.raises(ValueError, match=r"takes values in \[400, 499\]"):
         check(mask, wanted, {"limit": info("limit", (499,))}, 1, 1, 100, 500, 0)
 
 
 def test_one_name_cannot_be_read_as_an_int_and_a_float():
-    with pytest.raises(SpecError, match="read by the mask .* and by the score modifier"):
+    with pytest.raises(SpecError, match=r"read as an int32 tensor .*\(by the mask\) and as a float32 tensor"):
         AttentionSpec(head_dim=64, mask="w[h] > 0", score_mod="score * w[h]")
 
 

@@ -65,3 +65,45 @@ def test_default_configs_compile_without_spills_with_a_modifier(family, head_dim
     assert "score::modify" in source and text not in source
     report = nvcc.check_plan(plan)
     assert report.spill_bytes == 0, report
+
+
+def test_sinks_join_the_denominator_only():
+    gen = torch.Generator().manual_seed(2)
+    B, Sq, Sk, H = 2, 20, 12, 4
+    q = torch.randn(B, Sq, H, 64, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(B, Sk, H, 64, generator=gen, dtype=torch.float64) for _ in range(2))
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    spec = AttentionSpec(head_dim=64, mask="causal", sink="sinks[h]")
+    out, lse = reference.attention_for_spec(q, k, v, spec, return_lse=True, inputs={"sinks": sinks})
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 8
+    visible = torch.arange(Sk)[None, :] <= torch.arange(Sq)[:, None] + (Sk - Sq)  # rows 0..7 see no key
+    scores = scores.masked_fill(~visible, -math.inf)
+    extended = torch.cat([scores, sinks.double()[None, :, None, None].expand(B, H, Sq, 1)], -1)
+    weights = extended.softmax(-1)[..., :-1]
+    assert torch.allclose(out, torch.einsum("bhqk,bkhd->bqhd", weights, v), atol=1e-12)
+    assert torch.allclose(lse, torch.logsumexp(extended, -1).float())
+    assert torch.equal(out[:, :8], torch.zeros_like(out[:, :8]))  # no key: output 0, LSE the sink
+    assert torch.allclose(lse[:, :, :8], sinks[None, :, None].expand(B, H, 8))
+
+
+@pytest.mark.parametrize("value, piece", [("score + 1.0", "['score']"), ("kv_idx * 1.0", "['kv_idx']"),
+                                          (2, "a string")])
+def test_bad_sinks_are_refused_naming_sink(value, piece):
+    with pytest.raises(SpecError, match="sink=") as caught:
+        AttentionSpec(head_dim=64, sink=value)
+    assert piece in str(caught.value)
+
+
+@pytest.mark.parametrize("family", ["fwd_sm80", "fwd_sm90"])
+def test_kernels_with_a_sink_render_and_compile(family):
+    from attngen.build import nvcc
+
+    spec = AttentionSpec(head_dim=128, mask="causal", sink="sinks[h]", family=family)
+    assert "sink" in spec.name and spec.key().endswith('"sink":"sinks[h]"}')
+    plan = families.plan_spec(spec, targets.target("sm_90a" if family == "fwd_sm90" else "sm_80"))
+    assert [p.name for p in plan.kernels[0].abi.params][-2:] == ["in_sinks", "in_sinks_s0"]
+    source = families.get_family(family).render(plan)
+    assert "HAS_SINK = true" in source and "p.in_sinks[" in source
+    if nvcc.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    assert nvcc.check_plan(plan).spill_bytes == 0

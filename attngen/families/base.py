@@ -101,6 +101,13 @@ class ForwardPlan(Plan):
         return None if self.problem.score_mod is None else get_score_mod(self.problem.score_mod)
 
     @property
+    def sink(self) -> "ScoreModLowering | None":
+        """The problem's attention-sink logit, lowered (None: no sink)."""
+        from attngen.score_mods import get_score_mod
+
+        return None if self.problem.sink is None else get_score_mod(self.problem.sink)
+
+    @property
     def dtype(self) -> str:
         return self.problem.dtype
 
@@ -125,14 +132,24 @@ class ForwardPlan(Plan):
                          if getattr(self.problem, f.name) is not None)
 
 
-def problem_inputs(problem: Problem) -> tuple:
-    """The runtime inputs a problem's mask and score modifier read (attngen/runtime_inputs.py Declared)."""
+def problem_programs(problem: Problem) -> list[tuple[str, Any]]:
+    """(kind, compiled program) of the problem's mask, score modifier and sink: kind "mask" reads
+    int inputs, "score_mod" float ones (attngen/runtime_inputs.py)."""
     from attngen.masks import get_mask
-    from attngen.runtime_inputs import declared
     from attngen.score_mods import get_score_mod
 
-    score_mod = None if problem.score_mod is None else get_score_mod(problem.score_mod).program
-    return declared(get_mask(problem.mask).program, score_mod)
+    programs = [("mask", get_mask(problem.mask).program)]
+    for text in (problem.score_mod, problem.sink):
+        if text is not None:
+            programs.append(("score_mod", get_score_mod(text).program))
+    return programs
+
+
+def problem_inputs(problem: Problem) -> tuple:
+    """The runtime inputs a problem's expressions read (attngen/runtime_inputs.py Declared)."""
+    from attngen.runtime_inputs import declared
+
+    return declared(problem_programs(problem))
 
 
 @dataclass(frozen=True)

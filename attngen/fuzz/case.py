@@ -223,19 +223,15 @@ MAX_ID = 5
 
 def input_shapes(case: FuzzCase) -> dict[str, tuple[int, ...]]:
     """name -> the smallest shape holding every index the spec's expressions compute over the case."""
-    from attngen.families.base import problem_inputs
+    from attngen.families.base import problem_inputs, problem_programs
     from attngen.maskc.cuda import static_range
-    from attngen.masks import get_mask
     from attngen.runtime_inputs import index_nodes
-    from attngen.score_mods import get_score_mod
 
     problem = case.spec.problem
     declared = problem_inputs(problem)
     if not declared:
         return {}
-    programs = [get_mask(problem.mask).program]
-    if problem.score_mod is not None:
-        programs.append(get_score_mod(problem.score_mod).program)
+    programs = [program for _, program in problem_programs(problem)]
     ranges = {"b": (0, case.batch - 1), "h": (0, case.heads_q - 1), "q_idx": (0, case.seq_q - 1),
               "kv_idx": (0, case.seq_k - 1), "q_len": (case.seq_q, case.seq_q), "kv_len": (case.seq_k, case.seq_k)}
     shapes = {d.name: [1] * d.arity for d in declared}

@@ -83,10 +83,8 @@ def forward_call(problem: Problem, q: TensorInfo, k: TensorInfo, v: TensorInfo, 
                  softmax_scale, inputs: dict | None = None) -> ForwardCall:
     """A checked ForwardCall (q, k, v checked first with check_inputs); `inputs`: name -> TensorInfo
     of the runtime inputs the mask and score modifier read (attngen/runtime_inputs.py)."""
-    from attngen.families.base import problem_inputs
-    from attngen.masks import get_mask
+    from attngen.families.base import problem_inputs, problem_programs
     from attngen.runtime_inputs import check
-    from attngen.score_mods import get_score_mod
 
     check_output(out, q, q.shape, q.dtype)
     B, Sq, Hq, _ = q.shape
@@ -94,9 +92,7 @@ def forward_call(problem: Problem, q: TensorInfo, k: TensorInfo, v: TensorInfo, 
     inputs = dict(inputs or {})
     declared = problem_inputs(problem)
     if declared or inputs:
-        programs = [get_mask(problem.mask).program]
-        if problem.score_mod is not None:
-            programs.append(get_score_mod(problem.score_mod).program)
+        programs = [program for _, program in problem_programs(problem)]
         check(programs, declared, inputs, B, Hq, Sq, k.shape[1], q.device)
     return ForwardCall(q, k, v, out, lse, check_scale(softmax_scale, problem),
                        inputs=tuple(sorted(inputs.items())))

@@ -2,7 +2,7 @@
 // Needs, from the rendered template: struct FwdParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N, SUB_N, NUM_WARPS,
 // NUM_STAGES, GQA_RATIO, Q_IN_REGS, ROW_SUMS_IN_SMEM, IS_BF16, elem_t }, namespace mask { Bounds,
 // bounds, visible } (attngen/cuda/mask.cuh.j2; attngen/masks.py says what they mean) and namespace
-// score { MODIFIED, modify } (attngen/cuda/score_mod.cuh.j2).
+// score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2).
 
 namespace fa {
 
@@ -69,7 +69,8 @@ __device__ __forceinline__ void load_tile(u32 dst, const elem_t* base, i64 row_s
 }
 
 // Rows with no visible key (or a CTA with no key block at all): output 0, LSE -inf.
-__device__ __forceinline__ void write_empty_rows(const Params& p, elem_t* o_base, float* lse_base, int m0) {
+__device__ __forceinline__ void write_empty_rows(const Params& p, elem_t* o_base, float* lse_base, int m0, int batch,
+                                                 int head) {
     for (int c = threadIdx.x; c < BLOCK_M * CHUNKS; c += THREADS) {
         const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
         if (m0 + r < p.Sq) {
@@ -77,7 +78,9 @@ __device__ __forceinline__ void write_empty_rows(const Params& p, elem_t* o_base
         }
     }
     for (int r = threadIdx.x; r < BLOCK_M; r += THREADS) {
-        if (m0 + r < p.Sq) lse_base[m0 + r] = NEG_INF;
+        float lse;  // -inf, or the sink's logit
+        score::finish_row(NEG_INF, 0.f, m0 + r, p.Sq, p.Sk, batch, head, p, lse);
+        if (m0 + r < p.Sq) lse_base[m0 + r] = lse;
     }
 }
 
@@ -116,7 +119,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     auto o_rows = [&]() { return p.o + batch * p.o_sb + head * p.o_sh; };
     auto lse_row = [&]() { return p.lse + ((i64)batch * p.Hq + head) * Sq; };
     if (n_blocks <= 0) {
-        write_empty_rows(p, o_rows(), lse_row(), m0);
+        write_empty_rows(p, o_rows(), lse_row(), m0, batch, head);
         return;
     }
     // Key blocks are visited from the last to the first, so masked blocks come first.
@@ -340,13 +343,11 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const float sum = quad_sum(row_sum(mt, h));
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
             const int r = mt * 16 + g + 8 * h;
             const int q = m0 + warp * WARP_ROWS + r;
-            if (t == 0 && q < Sq)
-                lse_base[q] = sum > 0.f ? (row_max[mt][h] + log2f(sum)) * 0.69314718055994530942f
-                                        : NEG_INF;
+            float lse;  // a row with no visible key: output 0, LSE -inf (or the sink)
+            const float inv = score::finish_row(row_max[mt][h], quad_sum(row_sum(mt, h)), q, Sq, Sk, batch, head, p, lse);
+            if (t == 0 && q < Sq) lse_base[q] = lse;
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
                 *reinterpret_cast<u32*>(warp_rows + r * ROW_BYTES + (dt * 8 + 2 * t) * 2) =

@@ -18,7 +18,7 @@
 // Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_N,
 // CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PERSISTENT, SET_MAX_REGS, PRODUCER_REGS,
 // CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
-// namespace score { MODIFIED, modify } (attngen/cuda/score_mod.cuh.j2),
+// namespace score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2),
 // and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS).
 
 namespace fa90 {
@@ -361,12 +361,10 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
     float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const float sum = quad_sum(row_sum[h]);
-        inv[h] = sum > 0.f ? 1.f / sum : 0.f;  // a row with no visible key: output 0, LSE -inf
         const int q = row0 + 8 * h;
-        if (lane % 4 == 0 && q < p.Sq)
-            p.lse[((i64)tile.batch * p.Hq + tile.head) * p.Sq + q] =
-                sum > 0.f ? (row_max[h] + log2f(sum)) * 0.69314718055994530942f : NEG_INF;
+        float lse;  // a row with no visible key: output 0, LSE -inf (or the sink)
+        inv[h] = score::finish_row(row_max[h], quad_sum(row_sum[h]), q, p.Sq, p.Sk, tile.batch, tile.head, p, lse);
+        if (lane % 4 == 0 && q < p.Sq) p.lse[((i64)tile.batch * p.Hq + tile.head) * p.Sq + q] = lse;
     }
 #pragma unroll
     for (int j = 0; j < O_REGS / 2; ++j) {
