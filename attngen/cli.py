@@ -299,7 +299,9 @@ def tune(specs: tuple[Path, ...], seqlens: tuple[int, ...], batch_heads: tuple[i
 @click.option("--out", "out_dir", default=DEFAULT_BENCH_OUT, show_default=True,
               type=click.Path(file_okay=False, path_type=Path), help="Directory for the JSON and PNG results.")
 @click.option("--quick", is_flag=True, help="A short run: fewer shapes and repetitions.")
-def bench(out_dir: Path, quick: bool) -> None:
+@click.option("--masks", is_flag=True, help="The mask compiler's cases instead (attngen/bench_masks.py): an "
+              "expression vs the built-in causal, a 4096-key window and packed documents vs FlexAttention.")
+def bench(out_dir: Path, quick: bool, masks: bool) -> None:
     """Benchmark the kernels against torch SDPA and FlexAttention (needs a CUDA GPU)."""
     try:
         # All imported up front, so a missing one fails now rather than after minutes of timing.
@@ -315,6 +317,12 @@ def bench(out_dir: Path, quick: bool) -> None:
     if not torch.cuda.is_available():
         click.echo("error: attngen bench needs a CUDA GPU; torch.cuda.is_available() is False", err=True)
         raise SystemExit(2)
+    if masks:
+        from attngen.bench_masks import run_mask_bench
+
+        run_mask_bench(out_dir)
+        click.echo(f"mask benchmark written to {out_dir}")
+        return
     results = run_bench(out_dir, quick=quick)
     click.echo(f"{len(results)} results written to {out_dir}")
 

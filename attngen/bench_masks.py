@@ -1,0 +1,114 @@
+"""The mask compiler's benchmark (issue: masks and score modifiers), one row per case, peers in the
+same process: d128, 16 heads, bf16, one 16384-token sequence.
+
+  causal_expr   mask "q_idx >= kv_idx" (an expression, classified by the generic scan) against
+                the built-in causal (closed-form bounds): the generic path's cost
+  window_4096   sliding_window(4095, 0): time against (work fraction x the built-in causal's
+                time), and FlexAttention with the same window as a block mask
+  documents     16 random-length documents, causal within each, as a runtime input of ids:
+                useful TFLOP/s (visible pairs only) against the same family's dense causal and
+                FlexAttention with a document block mask
+  mask_build    what a call costs beyond the kernel for a document mask: attngen copies the ids;
+                FlexAttention's create_block_mask builds its block mask
+
+FLOPs are counted over visible (query, key) pairs only: 4 * D per pair."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import time
+from pathlib import Path
+
+SEQLEN = 16384
+HEADS = 16
+HEAD_DIM = 128
+WINDOW = 4096
+DOCUMENTS = 16
+
+
+def _time_ms(fn, repeats: int = 20) -> float:
+    from attngen.bench import time_ms
+
+    return time_ms(lambda: fn(), [()], warmup=3, repeats=repeats)
+
+
+def _document_ids(seed: int = 0):
+    """16 documents of random lengths (at least 1) filling SEQLEN tokens, as (1, SEQLEN) int32 ids."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(SEQLEN - 1, generator=gen)[:DOCUMENTS - 1].add(1).sort().values
+    lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([SEQLEN])]))
+    ids = torch.repeat_interleave(torch.arange(DOCUMENTS, dtype=torch.int32), lengths)
+    return ids[None], lengths
+
+
+def run_mask_bench(out_dir: Path) -> dict:
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import attngen
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, SEQLEN, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    flex = torch.compile(flex_attention, dynamic=False)
+    pair_flops = 4 * HEAD_DIM * HEADS
+    causal_pairs = SEQLEN * (SEQLEN + 1) // 2
+    results: dict = {}
+
+    def attn(**kwargs):
+        return lambda: attngen.attention(q, k, v, **kwargs)
+
+    with torch.no_grad():
+        causal_ms = _time_ms(attn(mask="causal"))
+        expr_ms = _time_ms(attn(mask="q_idx >= kv_idx"))
+        results["causal_expr"] = {"causal_ms": causal_ms, "expression_ms": expr_ms, "ratio": expr_ms / causal_ms}
+
+        window_pairs = sum(min(i + 1, WINDOW) for i in range(SEQLEN))
+        window_ms = _time_ms(attn(mask=f"sliding_window({WINDOW - 1}, 0)"))
+        window_mask = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < WINDOW), None, None, SEQLEN,
+                                        SEQLEN, device="cuda")
+        flex_window_ms = _time_ms(lambda: flex(qt, kt, vt, block_mask=window_mask))
+        fraction = window_pairs / causal_pairs
+        results["window_4096"] = {"ms": window_ms, "flex_ms": flex_window_ms, "work_fraction": fraction,
+                                  "vs_fraction_of_causal": window_ms / (fraction * causal_ms),
+                                  "tflops": window_pairs * pair_flops / window_ms / 1e9,
+                                  "flex_tflops": window_pairs * pair_flops / flex_window_ms / 1e9}
+
+        ids, lengths = _document_ids()
+        doc = ids.cuda()
+        doc_pairs = int(sum(n * (n + 1) // 2 for n in lengths.tolist()))
+        doc_text = "doc[b, q_idx] == doc[b, kv_idx] and causal"
+        doc_ms = _time_ms(attn(mask=doc_text, inputs={"doc": doc}))
+        flat = doc[0]
+        doc_mask = create_block_mask(lambda b, h, qi, ki: (flat[qi] == flat[ki]) & (qi >= ki), None, None, SEQLEN,
+                                     SEQLEN, device="cuda")
+        flex_doc_ms = _time_ms(lambda: flex(qt, kt, vt, block_mask=doc_mask))
+        causal_tflops = causal_pairs * pair_flops / causal_ms / 1e9
+        doc_tflops = doc_pairs * pair_flops / doc_ms / 1e9
+        results["documents"] = {"ms": doc_ms, "flex_ms": flex_doc_ms, "lengths": lengths.tolist(),
+                                "tflops": doc_tflops, "flex_tflops": doc_pairs * pair_flops / flex_doc_ms / 1e9,
+                                "vs_dense_causal": doc_tflops / causal_tflops,
+                                "vs_flex": flex_doc_ms / doc_ms}
+
+        start = time.perf_counter()
+        for _ in range(10):
+            create_block_mask(lambda b, h, qi, ki: (flat[qi] == flat[ki]) & (qi >= ki), None, None, SEQLEN, SEQLEN,
+                              device="cuda")
+        torch.cuda.synchronize()
+        build_ms = (time.perf_counter() - start) / 10 * 1e3
+        copy_ms = _time_ms(lambda: ids.to("cuda", non_blocking=True))
+        results["mask_build"] = {"flex_create_block_mask_ms": build_ms, "attngen_copy_ids_ms": copy_ms}
+
+    props = torch.cuda.get_device_properties(0)
+    meta = {"gpu": props.name, "date": _dt.date.today().isoformat(), "torch": torch.__version__,
+            "setup": f"bf16, 1 x {SEQLEN} tokens, {HEADS} heads, d{HEAD_DIM}; FLOPs over visible pairs only"}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    slug = "".join(c if c.isalnum() else "-" for c in props.name.lower()).strip("-")
+    (out_dir / f"masks-{slug}-{meta['date']}.json").write_text(json.dumps({"meta": meta, **results}, indent=1))
+    for name, row in results.items():
+        print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "lengths"})
+    return results
