@@ -50,19 +50,25 @@ def test_the_reference_applies_the_modifier_to_scaled_scores_before_the_mask():
     assert torch.allclose(lse, torch.logsumexp(scores, -1).float(), atol=1e-6)
 
 
+EXPRESSIONS = [  # (mask, score_mod, sink): the heaviest per-score work the default tiles must hold
+    ("kv_idx%5 != 2 or causal", "softcap( 30 )", None),
+    ("doc[b, q_idx] == doc[b, kv_idx] and causal", "alibi", None),
+    ("sliding_window(127, 0)", None, "sinks[h]"),
+]
+
+
 @pytest.mark.parametrize("family", ["fwd_sm80", "fwd_sm90"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_default_configs_compile_without_spills_with_a_modifier(family, head_dim):
+@pytest.mark.parametrize("mask, score_mod, sink", EXPRESSIONS, ids=["softcap", "documents_alibi", "window_sink"])
+def test_default_configs_compile_without_spills_with_expressions(family, head_dim, mask, score_mod, sink):
     from attngen.build import nvcc
 
     if nvcc.find_nvcc() is None:
         pytest.skip("nvcc not found")
-    text = "softcap( 30 )"
-    spec = AttentionSpec(head_dim=head_dim, dtype="fp16", mask="kv_idx%5 != 2 or causal", score_mod=text,
-                         family=family)
+    spec = AttentionSpec(head_dim=head_dim, dtype="fp16", mask=mask, score_mod=score_mod, sink=sink, family=family)
     plan = families.plan_spec(spec, targets.target("sm_90a" if family == "fwd_sm90" else "sm_80"))
     source = families.get_family(family).render(plan)
-    assert "score::modify" in source and text not in source
+    assert "score::modify" in source and "softcap( 30 )" not in source  # printed from the IR, never pasted
     report = nvcc.check_plan(plan)
     assert report.spill_bytes == 0, report
 

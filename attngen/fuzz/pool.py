@@ -51,7 +51,7 @@ PROBLEMS = (
     Problem(128, "fp16", gqa_ratio=2, mask="sliding_window(96, 32)", score_mod="score - 0.125 * abs(q_idx - kv_idx)"),
     # Runtime inputs: packed documents under causal, with ALiBi slopes per head.
     Problem(128, "bf16", gqa_ratio=2, mask="doc[b, q_idx] == doc[b, kv_idx] and causal", score_mod="alibi"),
-    Problem(64, "fp16", gqa_ratio=2, mask="causal", sink="sinks[h]"),  # gpt-oss's learned sinks
+    Problem(64, "bf16", gqa_ratio=8, mask="sliding_window(127, 0)", sink="sinks[h]"),  # gpt-oss's local layers
 )
 EXTRA_CONFIGS = 3  # non-default configs per family
 RANDOM_GQA_RATIOS = (1, 2, 3, 4, 8)

@@ -126,9 +126,9 @@ def smem_bytes(config: Sm80Config, head_dim: int, row_sums_in_smem: bool) -> int
 
 @functools.lru_cache(maxsize=None)
 def _preferences() -> dict[tuple[int, bool], list[Sm80Config]]:
-    """(head dim, has a score modifier) -> configs in order of preference, from tile_defaults.yaml."""
+    """(head dim, has expressions beyond none/causal) -> configs in order of preference, from tile_defaults.yaml."""
     table = yaml.safe_load((FOLDER / "tile_defaults.yaml").read_text())
-    modified = table.pop("score_mod", {})
+    modified = table.pop("expressions", {})
     plain = {(int(d), False): [Sm80Config.from_label(label) for label in labels] for d, labels in table.items()}
     return {**plain, **{(d, True): plain[d, False] for d, _ in plain},
             **{(int(d), True): [Sm80Config.from_label(label) for label in labels] for d, labels in modified.items()}}
@@ -162,7 +162,8 @@ class Sm80Forward(KernelFamily):
                 if combo[0] / combo[2] in ROWS_PER_WARP]
 
     def default_config(self, problem: Problem, target: Target) -> Sm80Config:
-        choices = _preferences()[problem.head_dim, problem.score_mod is not None]
+        plain = problem.mask in ("none", "causal") and problem.score_mod is None and problem.sink is None
+        choices = _preferences()[problem.head_dim, not plain]
         for config in choices:
             if self._smem(config, problem.head_dim) <= target.smem_per_block:
                 return config

@@ -134,7 +134,7 @@ def smem_bytes(config: Sm90Config, head_dim: int, q_buffers: int = 1) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _preferences() -> dict[tuple[int, str], list[Sm90Config]]:
-    """(head dim, none | causal | score_mod) -> configs in order of preference, from tile_defaults.yaml."""
+    """(head dim, none | causal | expressions) -> configs in order of preference, from tile_defaults.yaml."""
     table = yaml.safe_load((FOLDER / "tile_defaults.yaml").read_text())
     return {(int(d), mask): [Sm90Config.from_label(label) for label in labels]
             for d, per_mask in table.items() for mask, labels in per_mask.items()}
@@ -167,7 +167,8 @@ class Sm90Forward(KernelFamily):
         return [Sm90Config(*combo) for combo in itertools.product(*values) if not (combo[4] and combo[1] == 1)]
 
     def default_config(self, problem: Problem, target: Target) -> Sm90Config:
-        kind = "score_mod" if problem.score_mod is not None else "causal" if problem.causal else "none"
+        plain = problem.mask in ("none", "causal") and problem.score_mod is None and problem.sink is None
+        kind = problem.mask if plain else "expressions"
         choices = _preferences()[problem.head_dim, kind]
         for config in choices:
             if smem_bytes(config, problem.head_dim) <= target.smem_per_block:
