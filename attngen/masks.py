@@ -10,8 +10,9 @@ combination with and/or/not. Its lowering holds:
   classify         C++ interval arithmetic: is a (query rows x keys) rectangle empty (0), partly
                    visible (1) or full (2)? A CTA scans its key blocks with it once, so empty
                    blocks are never loaded and full ones never masked per element
-  closed           for `none` and `causal`: the same classification in closed form over the
-                   query rows [m0, m1) (no scan); tests hold it to the generic one
+  closed           for `none`, `causal`, `sliding_window(l, r)` and `chunked(n)` alone: the same
+                   bounds in closed form over the query rows [m0, m1) (no scan); tests hold them
+                   to the generic scan
   dense_visible    the same predicate for the reference, on broadcastable torch tensors
 
 The kernel and the reference read one compiled expression, so they cannot drift apart.
@@ -46,6 +47,58 @@ CLOSED_FORMS = {
         ("0", "min(Sk, max(0, m1 + (Sk - Sq)))", "0", "min(Sk, max(0, m0 + 1 + (Sk - Sq)))"),
         lambda m0, m1, Sq, Sk: (0, min(Sk, max(0, m1 + Sk - Sq)), 0, min(Sk, max(0, m0 + 1 + Sk - Sq)))),
 }
+# Parameters past this are windows or chunks longer than any sequence: no closed form needed.
+MAX_CLOSED_PARAM = 2**30
+
+
+def _clamp(x: int, Sk: int) -> int:
+    return min(Sk, max(0, x))
+
+
+def _window(left: int, right: int) -> ClosedForm:
+    """sliding_window(left, right): row q sees keys [q + d - left, q + d + right], d = Sk - Sq. Every
+    row of [m0, m1) sees [m1 - 1 + d - left, m0 + d + right]; some row sees [m0 + d - left, m1 - 1 + d + right]."""
+    def c(expr: str) -> str:  # 64-bit inside, clamped to [0, Sk]
+        return f"(int)maskc_max(0LL, maskc_min((long long)Sk, {expr}))"
+
+    d = "((long long)Sk - Sq)"
+    cuda = (c(f"(long long)m0 + {d} - {left}LL"), c(f"(long long)m1 + {d} + {right}LL"),
+            c(f"(long long)m1 - 1 + {d} - {left}LL"), c(f"(long long)m0 + 1 + {d} + {right}LL"))
+    return ClosedForm(cuda, lambda m0, m1, Sq, Sk: (
+        _clamp(m0 + Sk - Sq - left, Sk), _clamp(m1 + Sk - Sq + right, Sk),
+        _clamp(m1 - 1 + Sk - Sq - left, Sk), _clamp(m0 + 1 + Sk - Sq + right, Sk)))
+
+
+def _chunked(size: int) -> ClosedForm:
+    """chunked(size): row q sees the keys of its chunk (q + d) // size. Rows [m0, m1) see chunks c0..c1;
+    when c0 == c1 every row sees the whole chunk, else no key is visible to all."""
+    def c(expr: str) -> str:
+        return f"(int)maskc_max(0LL, maskc_min((long long)Sk, {expr}))"
+
+    d = "((long long)Sk - Sq)"
+    c0, c1 = f"maskc_floordiv((long long)m0 + {d}, {size}LL)", f"maskc_floordiv((long long)m1 - 1 + {d}, {size}LL)"
+    cuda = (c(f"{c0} * {size}LL"), c(f"({c1} + 1) * {size}LL"), c(f"{c0} * {size}LL"),
+            c(f"({c0} == {c1} ? {c0} + 1 : {c0}) * {size}LL"))
+
+    def python(m0, m1, Sq, Sk):
+        lo, hi = (m0 + Sk - Sq) // size, (m1 - 1 + Sk - Sq) // size
+        return (_clamp(lo * size, Sk), _clamp((hi + 1) * size, Sk), _clamp(lo * size, Sk),
+                _clamp((lo + 1 if lo == hi else lo) * size, Sk))
+    return ClosedForm(cuda, python)
+
+
+def closed_form(canonical: str, builtin: tuple | None) -> ClosedForm | None:
+    """The closed form of a mask that is exactly one built-in with one, else None (the kernel scans)."""
+    if canonical in CLOSED_FORMS:
+        return CLOSED_FORMS[canonical]
+    if builtin is None or any(abs(v) > MAX_CLOSED_PARAM for v in builtin[1]):
+        return None
+    name, values = builtin
+    if name == "sliding_window":
+        return _window(*values)
+    if name == "chunked":
+        return _chunked(*values)
+    return None
 
 
 @dataclass(frozen=True)
@@ -55,7 +108,7 @@ class MaskLowering:
     visible: str
     classify: str
     preamble: str
-    closed: tuple[str, str, str, str] | None
+    closed: ClosedForm | None  # bounds in closed form (no scan), for the built-ins that have one
     program: Any  # the compiled attngen.maskc program
 
     @property
@@ -68,7 +121,7 @@ class MaskLowering:
 
 
     def closed_bounds(self, m0: int, m1: int, Sq: int, Sk: int) -> tuple[int, int, int, int]:
-        return CLOSED_FORMS[self.text].python(m0, m1, Sq, Sk)
+        return self.closed.python(m0, m1, Sq, Sk)
 
     def bounds(self, m0: int, m1: int, Sq: int, Sk: int, block_n: int, b: int = 0,
                h: int = 0) -> tuple[int, int, int, int]:
@@ -116,10 +169,12 @@ def get_mask(text: str) -> MaskLowering:
         canonical = maskc.stored_text(text, "mask")
     except maskc.ExprError as exc:
         raise ValueError(f"mask={text!r} is invalid: {exc}; allowed: {ALLOWED}") from None
-    closed = CLOSED_FORMS.get(canonical)
+    from attngen.maskc.parse import parse
+
+    closed = closed_form(canonical, parse(text, "mask").builtin)
     # Runtime inputs are read from the kernel's argument struct p (attngen/runtime_inputs.py).
     return MaskLowering(canonical, program.slug, program.cuda_visible(input_ref), program.cuda_classify(input_ref),
-                        maskc.cuda_preamble(), closed.cuda if closed else None, program)
+                        maskc.cuda_preamble(), closed, program)
 
 
 def mask_problem(problem) -> str | None:

@@ -202,7 +202,7 @@ __device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch,
     return true;
 }
 
-// Closed forms of the classification (attngen/masks.py; tests hold them to the generic one).
+// Closed forms of the bounds (attngen/masks.py; tests hold them to the generic scan).
 template <class P>
 __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P&) {
     return {0, Sk, 0, Sk};

@@ -269,52 +269,10 @@ __device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch,
     return ((((q_idx + ((long long)((((int)kv_len) - ((int)q_len))))) - 4095LL) <= kv_idx) && (kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len)))))));
 }
 
-// 0: no element of the rectangle is visible, 2: every element is, 1: some may be. Interval
-// arithmetic over inclusive ranges: sound, never claims empty or full wrongly.
+// Closed forms of the bounds (attngen/masks.py; tests hold them to the generic scan).
 template <class P>
-__device__ __forceinline__ int classify(long long q_lo, long long q_hi, long long kv_lo, long long kv_hi,
-                                        long long q_len, long long kv_len, long long b, long long h, const P& p) {
-    (void)p;
-    const long long maskc_t0 = q_lo - kv_hi + kv_len - q_len - 4095LL;
-    const long long maskc_t1 = q_hi - kv_lo + kv_len - q_len - 4095LL;
-    const bool maskc_t2 = maskc_t0 <= 0;
-    const bool maskc_t3 = maskc_t1 > 0;
-    const long long maskc_t4 = -q_hi + kv_lo - kv_len + q_len;
-    const long long maskc_t5 = -q_lo + kv_hi - kv_len + q_len;
-    const bool maskc_t6 = maskc_t4 <= 0;
-    const bool maskc_t7 = maskc_t5 > 0;
-    const bool maskc_t8 = maskc_t2 && maskc_t6;
-    const bool maskc_t9 = maskc_t3 || maskc_t7;
-    if (!(maskc_t8)) return 0;
-    if (!(maskc_t9)) return 2;
-    return 1;
-}
-
-// One pass over the key blocks: the first and last that are not empty, and the first run of full
-// ones (full blocks after it are masked per element: correct, a little slower).
-template <class P>
-__device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int batch, int head, const P& p) {
-    Bounds r{0, 0, 0, 0};
-    bool seen = false, in_run = false, run_over = false;
-#pragma unroll 1
-    for (int n0 = 0; n0 < Sk; n0 += cfg::BLOCK_N) {
-        const int n1 = min(n0 + cfg::BLOCK_N, Sk);
-        const int c = classify(m0, m1 - 1, n0, n1 - 1, Sq, Sk, batch, head, p);
-        if (c != 0) {
-            if (!seen) r.kv_begin = n0;
-            seen = true;
-            r.kv_end = n1;
-        }
-        if (c == 2 && !run_over) {
-            if (!in_run) r.full_begin = n0;
-            in_run = true;
-            r.full_end = n1;
-        } else if (in_run) {
-            in_run = false;
-            run_over = true;
-        }
-    }
-    return r;
+__device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P&) {
+    return {(int)maskc_max(0LL, maskc_min((long long)Sk, (long long)m0 + ((long long)Sk - Sq) - 4095LL)), (int)maskc_max(0LL, maskc_min((long long)Sk, (long long)m1 + ((long long)Sk - Sq) + 0LL)), (int)maskc_max(0LL, maskc_min((long long)Sk, (long long)m1 - 1 + ((long long)Sk - Sq) - 4095LL)), (int)maskc_max(0LL, maskc_min((long long)Sk, (long long)m0 + 1 + ((long long)Sk - Sq) + 0LL))};
 }
 
 }  // namespace mask
