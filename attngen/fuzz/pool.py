@@ -44,6 +44,8 @@ PROBLEMS = (
     Problem(128, "bf16", gqa_ratio=4, mask="sliding_window(4095, 0)"),
     Problem(64, "fp16", gqa_ratio=2, mask="chunked(96) and causal"),
     Problem(96, "bf16", mask="prefix_lm(40)"),
+    Problem(64, "bf16", mask="kv_idx < prefix[b] or causal"),  # prefix lengths per sequence
+    Problem(128, "bf16", gqa_ratio=5, mask="chunked(8192) and causal"),  # Llama 4's local layers
     Problem(128, "fp16", gqa_ratio=2, mask="(q_idx + 2 * kv_idx) % 7 != 3 or h == 1 or b == 2"),
     # Score modifiers: Gemma 2's softcap under causal; an ALiBi-like distance penalty in a window.
     Problem(64, "bf16", mask="causal", score_mod="softcap(20.0)"),
