@@ -88,10 +88,20 @@ def _chunked(size: int) -> ClosedForm:
 
 
 def closed_form(canonical: str, builtin: tuple | None) -> ClosedForm | None:
-    """The closed form of a mask that is exactly one built-in with one, else None (the kernel scans)."""
+    """The closed form of a mask that is one built-in with one, or a conjunction of such
+    (stored as "A and B", maskc.stored_text), else None (the kernel scans)."""
     if canonical in CLOSED_FORMS:
         return CLOSED_FORMS[canonical]
-    if builtin is None or any(abs(v) > MAX_CLOSED_PARAM for v in builtin[1]):
+    if builtin is None:
+        from attngen.maskc.parse import parse
+        from attngen.maskc.program import builtin_conjunction
+
+        terms = builtin_conjunction(canonical)
+        if terms is None:
+            return None
+        forms = [closed_form(term, parse(term, "mask").builtin) for term in terms]
+        return None if any(f is None for f in forms) else _conjunction(forms)
+    if any(abs(v) > MAX_CLOSED_PARAM for v in builtin[1]):
         return None
     name, values = builtin
     if name == "sliding_window":
@@ -99,6 +109,24 @@ def closed_form(canonical: str, builtin: tuple | None) -> ClosedForm | None:
     if name == "chunked":
         return _chunked(*values)
     return None
+
+
+def _conjunction(forms: list[ClosedForm]) -> ClosedForm:
+    """A and B: the keys some row may see lie in both spans (sound); the keys every row sees are
+    those every row sees in both (exact)."""
+    def fold(pick: str, exprs) -> str:
+        code = exprs[0]
+        for e in exprs[1:]:
+            code = f"{pick}({code}, {e})"
+        return code
+
+    cuda = tuple(fold("max" if i % 2 == 0 else "min", [f.cuda[i] for f in forms]) for i in range(4))
+
+    def python(m0, m1, Sq, Sk):
+        bounds = [f.python(m0, m1, Sq, Sk) for f in forms]
+        return (max(b[0] for b in bounds), min(b[1] for b in bounds), max(b[2] for b in bounds),
+                min(b[3] for b in bounds))
+    return ClosedForm(cuda, python)
 
 
 @dataclass(frozen=True)
@@ -165,13 +193,13 @@ def get_mask(text: str) -> MaskLowering:
     if not isinstance(text, str):
         raise ValueError(f"mask={text!r} is invalid; allowed: {ALLOWED}")
     try:
-        program = maskc.compile_mask(text)
         canonical = maskc.stored_text(text, "mask")
+        program = maskc.compile_mask(canonical)  # every spelling lowers from the stored text: one kernel
     except maskc.ExprError as exc:
         raise ValueError(f"mask={text!r} is invalid: {exc}; allowed: {ALLOWED}") from None
     from attngen.maskc.parse import parse
 
-    closed = closed_form(canonical, parse(text, "mask").builtin)
+    closed = closed_form(canonical, parse(canonical, "mask").builtin)
     # Runtime inputs are read from the kernel's argument struct p (attngen/runtime_inputs.py).
     return MaskLowering(canonical, program.slug, program.cuda_visible(input_ref), program.cuda_classify(input_ref),
                         maskc.cuda_preamble(), closed, program)

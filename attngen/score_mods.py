@@ -42,8 +42,8 @@ def get_score_mod(text: str) -> ScoreModLowering:
     if not isinstance(text, str):
         raise ValueError(f"score_mod={text!r} is invalid; allowed: {ALLOWED}")
     try:
-        program = maskc.compile_score_mod(text)
         stored = maskc.stored_text(text, "score_mod")
+        program = maskc.compile_score_mod(stored)  # every spelling lowers from the stored text: one kernel
     except maskc.ExprError as exc:
         raise ValueError(f"score_mod={text!r} is invalid: {exc}; allowed: {ALLOWED}") from None
     # Runtime inputs are read from the kernel's argument struct p (attngen/runtime_inputs.py).

@@ -21,8 +21,12 @@ def _dense(mask: masks.MaskLowering, Sq: int, Sk: int, b: int = 0, h: int = 0) -
     return torch.broadcast_to(torch.as_tensor(mask.dense_visible(q_idx, kv_idx, Sq, Sk, b=b, h=h)), (Sq, Sk))
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.sampled_from(masks.EXAMPLES + ("sliding_window(5, 3)", "chunked(7) and causal", "h == 1 or kv_idx < q_idx")),
+CONJUNCTIONS = ("chunked(7) and causal", "sliding_window(5, 3) and chunked(6)", "causal and sliding_window(0, 2)",
+                "chunked(4) and sliding_window(2, 9) and causal")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(masks.EXAMPLES + CONJUNCTIONS + ("sliding_window(5, 3)", "h == 1 or kv_idx < q_idx")),
        st.integers(1, 70), st.integers(1, 70), st.sampled_from((8, 16, 32)), st.integers(1, 40), st.data())
 def test_bounds_are_sound_against_the_dense_mask(text, Sq, Sk, block_n, block_m, data):
     mask = masks.get_mask(text)
@@ -64,6 +68,13 @@ def test_closed_forms_agree_with_the_generic_scan_where_it_matters(text, Sq, Sk,
         return loaded, unmasked
 
     assert blocks(closed) == blocks(scanned)
+
+
+def test_conjunctions_of_built_ins_are_stored_sorted_with_closed_forms():
+    a, b = masks.get_mask("chunked(8192) and causal"), masks.get_mask("causal  and chunked( 8192 )")
+    assert a.text == b.text == "causal and chunked(8192)" and a.slug == b.slug and a.closed is not None
+    assert masks.get_mask("causal and causal").text == "causal"
+    assert masks.get_mask("chunked(64) and kv_idx > 3").closed is None  # not built-ins alone: scanned
 
 
 def test_specs_store_the_canonical_mask_and_name_it_by_slug():

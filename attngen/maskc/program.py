@@ -135,11 +135,41 @@ def _derivative_program(program: ScoreModProgram) -> ScoreModProgram:
 
 def stored_text(text: str, kind: str) -> str:
     """What a spec stores for a mask or score modifier: a single built-in as its call ("causal",
-    "sliding_window(128, 0)", "softcap(30.0)"), else the canonical expression; so one program has
-    one spec key however it was spelled. ExprError as compile_mask / compile_score_mod."""
+    "sliding_window(128, 0)", "softcap(30.0)"), a mask that is a conjunction of built-ins as their
+    calls joined by "and" in sorted order ("causal and chunked(8192)"), else the canonical
+    expression; so one program has one spec key however it was spelled, and the kernels can use
+    the built-ins' closed-form bounds. ExprError as compile_mask / compile_score_mod."""
     program = compile_mask(text) if kind == "mask" else compile_score_mod(text)
     builtin = parse(text, kind).builtin
-    if builtin is None:
-        return program.canonical
+    if builtin is not None:
+        return _call_text(builtin)
+    if kind == "mask":
+        terms = builtin_conjunction(text)
+        if terms is not None:
+            return " and ".join(sorted(set(terms)))
+    return program.canonical
+
+
+def _call_text(builtin: tuple) -> str:
     name, values = builtin
     return name if not values else f"{name}({', '.join(repr(v) for v in values)})"
+
+
+def builtin_conjunction(text: str) -> list[str] | None:
+    """The built-in calls of a mask written as `A and B and ...` of built-ins alone (each as its
+    stored call), else None. The text has compiled already, so each term is a valid built-in."""
+    import ast
+
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not (isinstance(tree, ast.BoolOp) and isinstance(tree.op, ast.And)):
+        return None
+    terms = []
+    for term in tree.values:
+        builtin = parse(ast.unparse(term), "mask").builtin
+        if builtin is None:
+            return None
+        terms.append(_call_text(builtin))
+    return terms
