@@ -49,18 +49,25 @@ def test_score_modifiers_match_the_reference(gpu_family, modifier, mask, head_di
 
 
 def check(spec, B, Sq, Sk, Hkv, ratio, logit_scale=1.0):
-    import torch
-
     q, k, v = _inputs(B, Sq, Sk, Hkv, ratio, spec.head_dim, seed=Sq + Sk)
     q = (q.float() * logit_scale).to(q.dtype)  # larger logits: softcap bends them
+    run_checked(spec, q, k, v)
+
+
+def run_checked(spec, q, k, v, inputs=None):
+    """The compiled kernel into NaN-poisoned outputs, held to the float64 reference; (out, lse)."""
+    import torch
+
+    B, Sq, Hq, _ = q.shape
     out = torch.full_like(q, float("nan"))
-    lse = torch.full((B, Hkv * ratio, Sq), float("nan"), device="cuda")
-    attngen.compile(spec)(q, k, v, out=out, lse=lse)
+    lse = torch.full((B, Hq, Sq), float("nan"), device="cuda")
+    attngen.compile(spec)(q, k, v, out=out, lse=lse, inputs=inputs)
     torch.cuda.synchronize()
-    ref, ref_lse = reference.attention_for_spec(q, k, v, spec, return_lse=True)
+    ref, ref_lse = reference.attention_for_spec(q, k, v, spec, return_lse=True, inputs=inputs)
     scale = spec.effective_scale
     bad = tolerance.check_output(out, ref, q, k, v, "bf16", scale) or tolerance.check_lse(lse, ref_lse, q, k, scale)
-    assert bad is None, f"{spec.name} B={B} Sq={Sq} Sk={Sk}: {bad}"
+    assert bad is None, f"{spec.name} B={B} Sq={Sq} Sk={k.shape[1]}: {bad}"
+    return out, lse
 
 
 def test_blocks_a_mask_hides_are_never_loaded(gpu_family):
@@ -93,14 +100,8 @@ def test_runtime_inputs_match_the_reference(gpu_family):
                        device="cuda")
     slope = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
     inputs = {"doc": doc, "slope": slope}
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((B, Hkv * ratio, S), float("nan"), device="cuda")
-    attngen.compile(spec)(q, k, v, out=out, lse=lse, inputs=inputs)
-    torch.cuda.synchronize()
-    ref, ref_lse = reference.attention_for_spec(q, k, v, spec, return_lse=True, inputs=inputs)
+    out, _ = run_checked(spec, q, k, v, inputs)
     scale = spec.effective_scale
-    bad = tolerance.check_output(out, ref, q, k, v, "bf16", scale) or tolerance.check_lse(lse, ref_lse, q, k, scale)
-    assert bad is None, bad
     # The front door, eagerly and again with other ids at the same layout (the Prepared path).
     front = attngen.attention(q, k, v, mask=DOC_MASK, score_mod="alibi", inputs=inputs)
     assert torch.equal(front, out)
@@ -120,13 +121,6 @@ def test_sinks_match_the_reference_with_rows_that_see_no_key(gpu_family):
     spec = AttentionSpec(head_dim=128, mask="causal", sink="sinks[h]", gqa_ratio=ratio, family=gpu_family)
     q, k, v = _inputs(B, Sq, Sk, Hkv, ratio, 128, seed=12)
     inputs = {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0], device="cuda")}
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((B, Hkv * ratio, Sq), float("nan"), device="cuda")
-    attngen.compile(spec)(q, k, v, out=out, lse=lse, inputs=inputs)
-    torch.cuda.synchronize()
-    ref, ref_lse = reference.attention_for_spec(q, k, v, spec, return_lse=True, inputs=inputs)
-    scale = spec.effective_scale
-    bad = tolerance.check_output(out, ref, q, k, v, "bf16", scale) or tolerance.check_lse(lse, ref_lse, q, k, scale)
-    assert bad is None, bad
+    out, lse = run_checked(spec, q, k, v, inputs)
     assert torch.equal(out[:, :100], torch.zeros_like(out[:, :100]))
     assert torch.allclose(lse[:, :, :100], inputs["sinks"][None, :, None].expand(B, 4, 100))
