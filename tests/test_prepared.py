@@ -4,6 +4,7 @@ under one tuning database is stale once the database changes."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from attngen.families.base import ForwardCall
@@ -61,3 +62,15 @@ def test_a_prepared_call_is_stale_once_the_tuning_database_changes(monkeypatch):
     prepared = Prepared(RecordingKernel(), _call(), stamp=("db", 1))
     assert prepared.current() and prepared.current() and not prepared.current()
     assert Prepared(RecordingKernel(), _call(), stamp=None).current()  # fully configured: never stale
+
+
+def test_runtime_inputs_join_the_pointer_set():
+    """A layout's runtime inputs are addressed like q, k, v: their pointers follow out and lse."""
+    call = _call()
+    doc = TensorInfo("inputs['doc']", "torch", 0, (2, 100), (100, 1), "int32", 0)
+    kernel = RecordingKernel()
+    prepared = Prepared(kernel, dataclasses.replace(call, inputs=(("doc", doc),)), stamp=None)
+    prepared.launches((16, 32, 48, 64, 80, 4096))
+    prepared.launches((16, 32, 48, 64, 80, 8192))
+    assert [c.input("doc").ptr for c in kernel.bound] == [4096, 8192]
+    assert kernel.bound[0].input("doc").shape == (2, 100) and kernel.bound[0].q.ptr == 16
