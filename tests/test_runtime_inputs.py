@@ -136,3 +136,30 @@ def test_fuzz_cases_draw_runtime_inputs_sized_to_the_case_and_check_them():
     assert input_digest(case) != input_digest(FuzzCase(spec, batch=2, seq_q=17, seq_k=40, heads_kv=2, data_seed=4))
     result = run_case(case, ReferenceRunner())
     assert result.ok, result.describe()
+
+
+def test_position_offsets_are_scalar_inputs():
+    """Context parallelism's shard of queries against global key positions: offsets as 0-d inputs,
+    read exactly by the classifier (no index), checked for rank, compiled into both families."""
+    from attngen.build import nvcc
+
+    text = "kv_idx + kv_offset <= q_idx + q_offset"
+    mask = programs(text)
+    wanted = declared([("mask", program) for program in mask])
+    assert [(d.name, d.arity) for d in wanted] == [("kv_offset", 0), ("q_offset", 0)]
+    check(mask, wanted, {"kv_offset": info("kv_offset", ()), "q_offset": info("q_offset", ())}, 1, 1, 64, 256, 0)
+    with pytest.raises(ValueError, match="indexes it with 0 indices"):
+        check(mask, wanted, {"kv_offset": info("kv_offset", (1,)), "q_offset": info("q_offset", ())}, 1, 1, 64, 256, 0)
+    # Queries 192..255 of a 256-token sequence against all 256 keys: causal in global positions.
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 64, 2, 64, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 256, 2, 64, generator=gen, dtype=torch.float64) for _ in range(2))
+    offsets = {"q_offset": torch.tensor(192, dtype=torch.int32), "kv_offset": torch.tensor(0, dtype=torch.int32)}
+    spec = AttentionSpec(head_dim=64, mask=text)
+    got = reference.attention_for_spec(q, k, v, spec, inputs=offsets)
+    assert torch.allclose(got, reference.attention(q, k, v, mask="causal"), atol=1e-12)  # bottom-right is the same here
+    for family, arch in (("fwd_sm80", "sm_80"), ("fwd_sm90", "sm_90a")):
+        plan = families.plan_spec(spec.replace(family=family), targets.target(arch))
+        assert "p.in_q_offset[0]" in families.get_family(family).render(plan)
+        if nvcc.find_nvcc() is not None:
+            assert nvcc.check_plan(plan).spill_bytes == 0
