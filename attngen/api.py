@@ -102,12 +102,9 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
 
 def _split_inputs(inputs) -> tuple[list, list]:
     """Names and tensors of the runtime inputs, sorted by name (the op's str[] and Tensor[])."""
-    if inputs is None:
-        return [], []
-    from collections.abc import Mapping
+    from attngen.runtime_inputs import as_mapping
 
-    if not isinstance(inputs, Mapping) or not all(isinstance(name, str) for name in inputs):
-        raise ValueError(f"inputs={inputs!r} is invalid; allowed: None or a dict of input names to CUDA tensors")
+    inputs = as_mapping(inputs)
     names = sorted(inputs)
     return names, [inputs[name] for name in names]
 

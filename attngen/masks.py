@@ -139,13 +139,10 @@ class MaskLowering:
     closed: ClosedForm | None  # bounds in closed form (no scan), for the built-ins that have one
     program: Any  # the compiled attngen.maskc program
 
-    @property
-    def name(self) -> str:
-        return self.slug
-
-    def dense_visible(self, q_idx, kv_idx, Sq: int, Sk: int, b=0, h=0):
-        """The predicate on broadcastable torch integer tensors (the reference's mask)."""
-        return self.program.dense(q_idx, kv_idx, Sq, Sk, b=b, h=h)
+    def dense_visible(self, q_idx, kv_idx, Sq: int, Sk: int, b=0, h=0, inputs=None):
+        """The predicate on broadcastable torch integer tensors (the reference's mask); `inputs`:
+        the runtime inputs it reads, by name."""
+        return self.program.dense(q_idx, kv_idx, Sq, Sk, b=b, h=h, inputs=inputs)
 
 
     def closed_bounds(self, m0: int, m1: int, Sq: int, Sk: int) -> tuple[int, int, int, int]:
@@ -184,21 +181,24 @@ def scan_bounds(classify: Callable[[int, int], str], Sk: int, block_n: int) -> t
     return kv_begin, kv_end, full_begin, full_end
 
 
-@functools.lru_cache(maxsize=1024)
 def get_mask(text: str) -> MaskLowering:
     """The lowering of a mask's text; ValueError naming mask= and what is allowed otherwise."""
+    if not isinstance(text, str):  # before the cache: an unhashable value is a user mistake too
+        raise ValueError(f"mask={text!r} is invalid; allowed: {ALLOWED}")
+    return _lower(text)
+
+
+@functools.lru_cache(maxsize=1024)
+def _lower(text: str) -> MaskLowering:
     from attngen import maskc
+    from attngen.maskc.parse import parse
     from attngen.runtime_inputs import input_ref
 
-    if not isinstance(text, str):
-        raise ValueError(f"mask={text!r} is invalid; allowed: {ALLOWED}")
     try:
         canonical = maskc.stored_text(text, "mask")
         program = maskc.compile_mask(canonical)  # every spelling lowers from the stored text: one kernel
     except maskc.ExprError as exc:
         raise ValueError(f"mask={text!r} is invalid: {exc}; allowed: {ALLOWED}") from None
-    from attngen.maskc.parse import parse
-
     closed = closed_form(canonical, parse(canonical, "mask").builtin)
     # Runtime inputs are read from the kernel's argument struct p (attngen/runtime_inputs.py).
     return MaskLowering(canonical, program.slug, program.cuda_visible(input_ref), program.cuda_classify(input_ref),

@@ -57,15 +57,14 @@ def attention(
     b = torch.arange(B, device=q.device)[:, None, None, None, None]
     h = torch.arange(Hq, device=q.device).reshape(1, Hkv, ratio, 1, 1)
     if modifier is not None:
-        scores = modifier.program.dense(scores, q_idx, kv_idx, Sq, Sk, b=b, h=h, inputs=inputs)
-    visible = torch.as_tensor(lowering.program.dense(q_idx, kv_idx, Sq, Sk, b=b, h=h, inputs=inputs), device=q.device)
+        scores = modifier.dense(scores, q_idx, kv_idx, Sq, Sk, b=b, h=h, inputs=inputs)
+    visible = torch.as_tensor(lowering.dense_visible(q_idx, kv_idx, Sq, Sk, b=b, h=h, inputs=inputs), device=q.device)
     scores = scores.masked_fill(~torch.broadcast_to(visible, scores.shape), -math.inf)
 
     lse = torch.logsumexp(scores, dim=-1)  # -inf for a row with no visible key
     if sink is not None:
         zero = torch.zeros((), dtype=scores.dtype, device=q.device)
-        sinks = get_score_mod(sink).program.dense(zero, q_idx[:, 0], 0, Sq, Sk, b=b[..., 0], h=h[..., 0],
-                                                  inputs=inputs)
+        sinks = get_score_mod(sink).dense(zero, q_idx[:, 0], 0, Sq, Sk, b=b[..., 0], h=h[..., 0], inputs=inputs)
         lse = torch.logaddexp(lse, torch.broadcast_to(sinks, lse.shape))
     # Subtracting a -inf LSE would give NaN; with 0 instead every exp(-inf) is exactly 0.
     probs = torch.exp(scores - torch.where(lse == -math.inf, 0.0, lse)[..., None])

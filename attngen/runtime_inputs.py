@@ -59,6 +59,17 @@ def _what(d: Declared) -> str:
            f"(by the {'mask' if d.kind == 'mask' else 'score modifier or sink'})"
 
 
+def as_mapping(inputs) -> dict:
+    """A call's `inputs` as a dict of names to tensors (empty for None); ValueError otherwise."""
+    from collections.abc import Mapping
+
+    if inputs is None:
+        return {}
+    if not isinstance(inputs, Mapping) or not all(isinstance(name, str) for name in inputs):
+        raise ValueError(f"inputs={inputs!r} is invalid; allowed: None or a dict of input names to CUDA tensors")
+    return dict(inputs)
+
+
 def input_ref(name: str, index_code: list) -> str:
     """The C++ that reads input `name` at `index_code` inside the kernel (p: its argument struct)."""
     offset = " + ".join(f"({code}) * p.in_{name}_s{d}" for d, code in enumerate(index_code)) or "0"

@@ -28,19 +28,24 @@ class ScoreModLowering:
     preamble: str
     program: Any  # the compiled attngen.maskc score-modifier program
 
-    def dense(self, score, q_idx, kv_idx, Sq: int, Sk: int, b=0, h=0):
-        """The modified scores on broadcastable torch tensors, in score's dtype (the reference's)."""
-        return self.program.dense(score, q_idx, kv_idx, Sq, Sk, b=b, h=h)
+    def dense(self, score, q_idx, kv_idx, Sq: int, Sk: int, b=0, h=0, inputs=None):
+        """The modified scores on broadcastable torch tensors, in score's dtype (the reference's);
+        `inputs`: the runtime inputs it reads, by name."""
+        return self.program.dense(score, q_idx, kv_idx, Sq, Sk, b=b, h=h, inputs=inputs)
+
+
+def get_score_mod(text: str) -> ScoreModLowering:
+    """The lowering of a score modifier's text; ValueError naming score_mod= and what is allowed."""
+    if not isinstance(text, str):  # before the cache: an unhashable value is a user mistake too
+        raise ValueError(f"score_mod={text!r} is invalid; allowed: {ALLOWED}")
+    return _lower(text)
 
 
 @functools.lru_cache(maxsize=1024)
-def get_score_mod(text: str) -> ScoreModLowering:
-    """The lowering of a score modifier's text; ValueError naming score_mod= and what is allowed."""
+def _lower(text: str) -> ScoreModLowering:
     from attngen import maskc
     from attngen.runtime_inputs import input_ref
 
-    if not isinstance(text, str):
-        raise ValueError(f"score_mod={text!r} is invalid; allowed: {ALLOWED}")
     try:
         stored = maskc.stored_text(text, "score_mod")
         program = maskc.compile_score_mod(stored)  # every spelling lowers from the stored text: one kernel

@@ -101,12 +101,15 @@ def test_specless_key_is_the_specs_canonical_key(d, dtype, hkv, ratio, mask):
     ((1, 4, 2, 64), (1, 4, 2, 64), {"mask": "sliding"}, "mask='sliding' is invalid: .*allowed: .*none, causal"),
     ((1, 4, 2, 64), (1, 4, 2, 64), {"mask": "q_idx.x"}, "mask='q_idx.x' is invalid: .*attribute"),
     ((4, 2, 64), (1, 4, 2, 64), {}, "q must have 4 dims"),
+    ((1, 4, 2, 64), (1, 4, 2, 64), {"mask": ["causal"]}, r"mask=\['causal'\] is invalid; allowed: a mask expression"),
+    ((1, 4, 2, 64), (1, 4, 2, 64), {"score_mod": {"s": 1}}, r"score_mod=\{'s': 1\} is invalid; allowed:"),
+    ((1, 4, 2, 64), (1, 4, 2, 64), {"sink": ["x"]}, r"sink=\['x'\] is invalid; allowed:"),
 ])
 def test_specless_calls_name_the_bad_argument(q_shape, k_shape, kwargs, match):
     q = torch.empty(q_shape, dtype=torch.bfloat16, device="meta")
     k = torch.empty(k_shape, dtype=torch.bfloat16, device="meta")
     with pytest.raises(ValueError, match=match):
-        _spec_key(q, k, None, kwargs.get("mask"))
+        _spec_key(q, k, None, kwargs.get("mask"), kwargs.get("score_mod"), kwargs.get("sink"))
 
 
 def test_user_mistakes_are_clear_errors():

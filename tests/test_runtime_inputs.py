@@ -163,3 +163,12 @@ def test_position_offsets_are_scalar_inputs():
         assert "p.in_q_offset[0]" in families.get_family(family).render(plan)
         if nvcc.find_nvcc() is not None:
             assert nvcc.check_plan(plan).spill_bytes == 0
+
+
+@pytest.mark.parametrize("value", [[1, 2], "doc", {1: "x"}])
+def test_inputs_must_be_a_dict_of_names(value):
+    from attngen.runtime_inputs import as_mapping
+
+    with pytest.raises(ValueError, match=r"inputs=.* is invalid; allowed: None or a dict of input names"):
+        as_mapping(value)
+    assert as_mapping(None) == {}

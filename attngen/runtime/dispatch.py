@@ -79,13 +79,9 @@ def _outputs_and_call(plan: Plan, ref, qi: TensorInfo, ki, vi, out, lse, softmax
 
 def describe_inputs(inputs) -> dict[str, TensorInfo]:
     """name -> TensorInfo of a call's runtime inputs; ValueError for anything but a mapping of names to tensors."""
-    from collections.abc import Mapping
+    from attngen.runtime_inputs import as_mapping
 
-    if inputs is None:
-        return {}
-    if not isinstance(inputs, Mapping) or not all(isinstance(name, str) for name in inputs):
-        raise ValueError(f"inputs={inputs!r} is invalid; allowed: None or a dict of input names to CUDA tensors")
-    return {name: describe(t, f"inputs[{name!r}]") for name, t in inputs.items()}
+    return {name: describe(t, f"inputs[{name!r}]") for name, t in as_mapping(inputs).items()}
 
 
 _kernels: dict[tuple[str, int], Kernel] = {}
