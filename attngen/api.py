@@ -13,6 +13,8 @@ which saves its per-call overhead. CuPy arrays take the runtime directly.
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
 import json
 import sys
 
@@ -243,8 +245,8 @@ _OP = None
 
 
 def register():
-    """Register torch.ops.attngen.forward (done when attngen is imported after torch, else on first use;
-    importing attngen needs no torch). Returns the op."""
+    """Register torch.ops.attngen.forward, once; returns the op. Done when torch is imported, before
+    or after attngen (importing attngen needs no torch)."""
     global _OP, _TEXTS
     if _OP is not None:
         return _OP
@@ -260,5 +262,34 @@ def register():
     return _OP
 
 
+class _RegisterWhenTorchLoads(importlib.abc.MetaPathFinder):
+    """Registers the op as soon as `import torch` finishes, when attngen was imported first (as
+    sorted imports do). Registering later, on the first call, would happen inside dynamo's trace
+    when that call is compiled: custom_op is not traceable, so fullgraph=True would fail."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)  # once, and so that the lookup below finds torch's own spec
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        if loader is not None and hasattr(loader, "exec_module"):
+            run_torch = loader.exec_module
+
+            def exec_module(module):
+                try:
+                    run_torch(module)
+                finally:
+                    del loader.exec_module  # the loader as it was
+                try:
+                    register()
+                except Exception:  # noqa: BLE001, S110 - an unusable torch must not break `import torch`;
+                    pass  # the first call registers again and raises there, naming the problem
+            loader.exec_module = exec_module
+        return spec
+
+
 if "torch" in sys.modules:
     register()
+elif not any(isinstance(finder, _RegisterWhenTorchLoads) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWhenTorchLoads())

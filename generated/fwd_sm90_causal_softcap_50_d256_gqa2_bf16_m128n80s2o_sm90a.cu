@@ -242,12 +242,17 @@ __host__ __device__ __forceinline__ int maskc_mod32(int a, int d) {
 __host__ __device__ __forceinline__ int maskc_min32(int a, int b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ int maskc_max32(int a, int b) { return a > b ? a : b; }
 __host__ __device__ __forceinline__ int maskc_abs32(int a) { return a < 0 ? -a : a; }
-// tanh on the GPU as 1 - 2 / (e^(2x) + 1): two MUFU operations and a few registers, where the
-// library tanhf's polynomial and branches spill the attention kernels' registers. Absolute error
-// ~1e-7, far below bf16/fp16 rounding of the probabilities; +-inf give +-1.
+// tanh on the GPU in a few registers (the library tanhf's polynomial and branches spill the
+// attention kernels' registers), to a few ulp relative: an odd Taylor polynomial below 0.35, where
+// 1 - 2 / (e^(2x) + 1) loses digits to cancellation (1e-4 relative at x = 1e-3: a softcapped
+// score's LSE off by far more than fp32 rounding), that formula above it; +-inf give +-1.
 __host__ __device__ __forceinline__ float maskc_tanhf(float x) {
 #ifdef __CUDA_ARCH__
-    return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f);
+    const float ax = fabsf(x), x2 = x * x;
+    const float series = fmaf(x * x2, fmaf(x2, fmaf(x2, fmaf(x2, fmaf(x2, -1382.0f / 155925.0f,
+        62.0f / 2835.0f), -17.0f / 315.0f), 2.0f / 15.0f), -1.0f / 3.0f), x);
+    const float saturating = copysignf(1.0f - __fdividef(2.0f, __expf(2.0f * ax) + 1.0f), x);
+    return ax < 0.35f ? series : saturating;
 #else
     return tanhf(x);
 #endif
@@ -309,12 +314,17 @@ __host__ __device__ __forceinline__ int maskc_mod32(int a, int d) {
 __host__ __device__ __forceinline__ int maskc_min32(int a, int b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ int maskc_max32(int a, int b) { return a > b ? a : b; }
 __host__ __device__ __forceinline__ int maskc_abs32(int a) { return a < 0 ? -a : a; }
-// tanh on the GPU as 1 - 2 / (e^(2x) + 1): two MUFU operations and a few registers, where the
-// library tanhf's polynomial and branches spill the attention kernels' registers. Absolute error
-// ~1e-7, far below bf16/fp16 rounding of the probabilities; +-inf give +-1.
+// tanh on the GPU in a few registers (the library tanhf's polynomial and branches spill the
+// attention kernels' registers), to a few ulp relative: an odd Taylor polynomial below 0.35, where
+// 1 - 2 / (e^(2x) + 1) loses digits to cancellation (1e-4 relative at x = 1e-3: a softcapped
+// score's LSE off by far more than fp32 rounding), that formula above it; +-inf give +-1.
 __host__ __device__ __forceinline__ float maskc_tanhf(float x) {
 #ifdef __CUDA_ARCH__
-    return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f);
+    const float ax = fabsf(x), x2 = x * x;
+    const float series = fmaf(x * x2, fmaf(x2, fmaf(x2, fmaf(x2, fmaf(x2, -1382.0f / 155925.0f,
+        62.0f / 2835.0f), -17.0f / 315.0f), 2.0f / 15.0f), -1.0f / 3.0f), x);
+    const float saturating = copysignf(1.0f - __fdividef(2.0f, __expf(2.0f * ax) + 1.0f), x);
+    return ax < 0.35f ? series : saturating;
 #else
     return tanhf(x);
 #endif

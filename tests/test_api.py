@@ -137,6 +137,31 @@ def test_importing_attngen_needs_neither_torch_nor_cupy():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_torch_imported_after_attngen_compiles_fullgraph_on_the_first_call():
+    """Sorted imports put attngen before torch: the op must exist before the first call is traced
+    (registering inside dynamo's trace is a graph break, an error under fullgraph=True)."""
+    code = """
+import attngen
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+assert hasattr(torch.ops.attngen, "forward")
+graphs = []
+def backend(gm, example_inputs):
+    graphs.append(gm)
+    return gm.forward
+def layer(q, k, v):
+    out, lse = attngen.attention(q, k, v, mask="causal", return_lse=True)
+    return out.float() * 2 + 1, lse
+with FakeTensorMode(allow_non_fake_inputs=True):
+    q = torch.empty(2, 100, 8, 64, dtype=torch.bfloat16, device="cuda")
+    k = torch.empty(2, 100, 2, 64, dtype=torch.bfloat16, device="cuda")
+    torch.compile(layer, backend=backend, fullgraph=True)(q, k, k)
+assert len(graphs) == 1
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_docstring_documents_the_contract():
     doc = attngen.attention.__doc__
     for phrase in ("(batch, seq_q, heads_q, head_dim)", "bottom-right", "float32 (batch, heads_q, seq_q)",

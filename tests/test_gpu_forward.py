@@ -21,6 +21,7 @@ from attngen import families, reference, targets, tolerance
 from attngen.dtypes import DTYPES, torch_dtype
 from attngen.errors import SpecError
 from attngen.fuzz.case import make_inputs as make_case_inputs
+from attngen.fuzz.case import make_runtime_inputs
 from attngen.fuzz.pool import builtin_specs
 from attngen.fuzz.strategies import ODD_LENGTHS, fuzz_cases
 from attngen.spec import HEAD_DIMS, AttentionSpec
@@ -57,7 +58,7 @@ def make_inputs(spec, B, Sq, Sk, Hkv, *, transposed=False, logit_scale=1.0, seed
     return rand(Sq, Hq, logit_scale), rand(Sk, Hkv, logit_scale), rand(Sk, Hkv)
 
 
-def run_and_check(spec, q, k, v, softmax_scale=None):
+def run_and_check(spec, q, k, v, softmax_scale=None, inputs=None):
     import torch
 
     kernel = attngen.compile(spec)
@@ -67,10 +68,10 @@ def run_and_check(spec, q, k, v, softmax_scale=None):
     Sk = k.shape[1]
     out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format).contiguous()
     lse = torch.full((B, Hq, Sq), float("nan"), device="cuda", dtype=torch.float32)
-    kernel(q, k, v, out=out, lse=lse, softmax_scale=softmax_scale)
+    kernel(q, k, v, out=out, lse=lse, softmax_scale=softmax_scale, inputs=inputs)
     torch.cuda.synchronize()
     scale = spec.effective_scale if softmax_scale is None else softmax_scale
-    ref, ref_lse = reference.attention_for_spec(q, k, v, spec, softmax_scale=scale, return_lse=True)
+    ref, ref_lse = reference.attention_for_spec(q, k, v, spec, softmax_scale=scale, return_lse=True, inputs=inputs)
     bad = tolerance.check_output(out, ref, q, k, v, spec.dtype, scale) or tolerance.check_lse(lse, ref_lse, q, k, scale)
     assert bad is None, f"{kernel.plan.name} B={B} Sq={Sq} Sk={Sk} Hq={Hq}: {bad}"
 
@@ -170,7 +171,9 @@ def _family_cases(gpu_family: str):
 def test_hypothesis_against_reference(gpu_family, data):
     case = data.draw(_family_cases(gpu_family), label="case")
     q, k, v = (p.view for p in make_case_inputs(case, "cuda"))
-    run_and_check(case.spec, q, k, v, softmax_scale=case.softmax_scale)
+    # The pool holds specs whose masks read runtime inputs (prefix_lm_d64's prefix lengths).
+    inputs = make_runtime_inputs(case, "cuda") or None
+    run_and_check(case.spec, q, k, v, softmax_scale=case.softmax_scale, inputs=inputs)
 
 
 # -- the front door without a spec, and the dispatcher's choice of family ---------------------------
