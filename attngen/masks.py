@@ -10,6 +10,8 @@ combination with and/or/not. Its lowering holds:
   classify         C++ interval arithmetic: is a (query rows x keys) rectangle empty (0), partly
                    visible (1) or full (2)? A CTA scans its key blocks with it once, so empty
                    blocks are never loaded and full ones never masked per element
+  classify_spans   the same, reading an input's range over a block from per-call summaries: the
+                   block table of a mask that reads int inputs (attngen/mask_table.py)
   closed           for `none`, `causal`, `sliding_window(l, r)` and `chunked(n)` alone: the same
                    bounds in closed form over the query rows [m0, m1) (no scan); tests hold them
                    to the generic scan
@@ -135,6 +137,7 @@ class MaskLowering:
     slug: str  # for kernel names: the built-in and its parameters, or expr_<hash>
     visible: str
     classify: str
+    classify_spans: str  # the same, reading input ranges through span_<name> (attngen/mask_table.py)
     preamble: str
     closed: ClosedForm | None  # bounds in closed form (no scan), for the built-ins that have one
     program: Any  # the compiled attngen.maskc program
@@ -149,12 +152,13 @@ class MaskLowering:
         return self.closed.python(m0, m1, Sq, Sk)
 
     def bounds(self, m0: int, m1: int, Sq: int, Sk: int, block_n: int, b: int = 0,
-               h: int = 0) -> tuple[int, int, int, int]:
-        """(kv_begin, kv_end, full_begin, full_end) for query rows [m0, m1), as the kernel computes them."""
+               h: int = 0, inputs: dict | None = None, granule: int | None = None) -> tuple[int, int, int, int]:
+        """(kv_begin, kv_end, full_begin, full_end) for query rows [m0, m1), as the kernel computes them
+        (with the call's runtime inputs and the block table's granule: as its table holds them)."""
         if self.closed is not None:
             return self.closed_bounds(m0, m1, Sq, Sk)
-        return scan_bounds(lambda n0, n1: self.program.classify(m0, m1 - 1, n0, n1 - 1, Sq, Sk, b=b, h=h),
-                           Sk, block_n)
+        return scan_bounds(lambda n0, n1: self.program.classify(m0, m1 - 1, n0, n1 - 1, Sq, Sk, b=b, h=h,
+                                                                inputs=inputs, granule=granule), Sk, block_n)
 
 
 _CLASS = {"empty": 0, "partial": 1, "full": 2}
@@ -192,6 +196,7 @@ def get_mask(text: str) -> MaskLowering:
 def _lower(text: str) -> MaskLowering:
     from attngen import maskc
     from attngen.maskc.parse import parse
+    from attngen.mask_table import span_ref
     from attngen.runtime_inputs import input_ref
 
     try:
@@ -202,7 +207,7 @@ def _lower(text: str) -> MaskLowering:
     closed = closed_form(canonical, parse(canonical, "mask").builtin)
     # Runtime inputs are read from the kernel's argument struct p (attngen/runtime_inputs.py).
     return MaskLowering(canonical, program.slug, program.cuda_visible(input_ref), program.cuda_classify(input_ref),
-                        maskc.cuda_preamble(), closed, program)
+                        program.cuda_classify(input_ref, span_ref), maskc.cuda_preamble(), closed, program)
 
 
 def mask_problem(problem) -> str | None:

@@ -151,6 +151,11 @@ static_assert(__builtin_offsetof(FwdParams, scale) == 156, "host and device disa
 // which key blocks a CTA loads and which it masks per element.
 #ifndef ATTNGEN_MASKC_PREAMBLE
 #define ATTNGEN_MASKC_PREAMBLE
+// An input's values over a range of positions (ok false: unknown).
+struct maskc_span {
+    long long lo, hi;
+    bool ok;
+};
 // Python's floor division and modulo for a positive divisor d (C++ truncates toward zero).
 __host__ __device__ __forceinline__ long long maskc_floordiv(long long a, long long d) {
     long long q = a / d;
@@ -214,6 +219,7 @@ __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, in
 }
 
 }  // namespace mask
+
 
 
 // Score modifier none

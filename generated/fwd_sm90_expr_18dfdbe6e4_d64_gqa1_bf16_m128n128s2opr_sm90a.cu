@@ -166,6 +166,7 @@ namespace cfg {
 typedef u16 elem_t;  // bf16 bits; arithmetic goes through the tensor cores and cvt
 constexpr bool IS_BF16 = true;
 constexpr int HEAD_DIM = 64;
+constexpr int BLOCK_M = 128;  // query rows per tile
 constexpr int BLOCK_N = 128;
 constexpr int CONSUMERS = 2;  // consumer warpgroups, 64 query rows each
 constexpr int NUM_STAGES = 2;
@@ -196,8 +197,12 @@ struct FwdSm90Params {
     float scale;  // softmax_scale: a score modifier sees scaled scores
     const int* in_prefix;  // runtime input prefix (int32, 1 indices)
     i64 in_prefix_s0;
+    i64 in_prefix_n0;
+    int* sum_prefix;  // min and max of prefix per 16 positions (workspace)
+    int* mask_table;  // bounds per query block (workspace)
+    int mask_rows;  // (batch x heads) entries the table is kept for
 };
-static_assert(sizeof(FwdSm90Params) == 576, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(sizeof(FwdSm90Params) == 640, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 static_assert(alignof(FwdSm90Params) == 64, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 #ifndef __CUDACC_RTC__
 static_assert(__builtin_offsetof(FwdSm90Params, tmap_q) == 0, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
@@ -214,6 +219,10 @@ static_assert(__builtin_offsetof(FwdSm90Params, scale_log2) == 540, "host and de
 static_assert(__builtin_offsetof(FwdSm90Params, scale) == 544, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(FwdSm90Params, in_prefix) == 552, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(FwdSm90Params, in_prefix_s0) == 560, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, in_prefix_n0) == 568, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, sum_prefix) == 576, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, mask_table) == 584, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, mask_rows) == 592, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 #endif
 
 // Mask expr_18dfdbe6e4: kv_idx < prefix[b] or kv_idx <= q_idx + (kv_len - q_len)
@@ -222,6 +231,11 @@ static_assert(__builtin_offsetof(FwdSm90Params, in_prefix_s0) == 560, "host and 
 // which key blocks a CTA loads and which it masks per element.
 #ifndef ATTNGEN_MASKC_PREAMBLE
 #define ATTNGEN_MASKC_PREAMBLE
+// An input's values over a range of positions (ok false: unknown).
+struct maskc_span {
+    long long lo, hi;
+    bool ok;
+};
 // Python's floor division and modulo for a positive divisor d (C++ truncates toward zero).
 __host__ __device__ __forceinline__ long long maskc_floordiv(long long a, long long d) {
     long long q = a / d;
@@ -278,57 +292,161 @@ __device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch,
     return ((kv_idx < ((long long)(p.in_prefix[(b) * p.in_prefix_s0]))) || (kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len)))))));
 }
 
-// 0: no element of the rectangle is visible, 2: every element is, 1: some may be. Interval
-// arithmetic over inclusive ranges: sound, never claims empty or full wrongly.
+
+// The mask reads runtime inputs: two kernels of this module ran first this call (below), so the
+// bounds of each query block are in p.mask_table (attngen/mask_table.py).
+constexpr int GRANULE = 16;  // positions per summary of an input
+
 template <class P>
-__device__ __forceinline__ int classify(long long q_lo, long long q_hi, long long kv_lo, long long kv_hi,
-                                        long long q_len, long long kv_len, long long b, long long h, const P& p) {
-    (void)p;
-    const bool maskc_t0 = b == b;
-    const long long maskc_t1 = maskc_t0 ? ((long long)(p.in_prefix[(b) * p.in_prefix_s0])) : 0LL;
-    const long long maskc_t2 = kv_lo - maskc_t1;
-    const long long maskc_t3 = kv_hi - maskc_t1;
-    const bool maskc_t4 = !maskc_t0 || (maskc_t2 < 0);
-    const bool maskc_t5 = !maskc_t0 || (maskc_t3 >= 0);
-    const long long maskc_t6 = -q_hi + kv_lo - kv_len + q_len;
-    const long long maskc_t7 = -q_lo + kv_hi - kv_len + q_len;
-    const bool maskc_t8 = maskc_t6 <= 0;
-    const bool maskc_t9 = maskc_t7 > 0;
-    const bool maskc_t10 = maskc_t4 || maskc_t8;
-    const bool maskc_t11 = maskc_t5 && maskc_t9;
-    if (!(maskc_t10)) return 0;
-    if (!(maskc_t11)) return 2;
+__device__ __forceinline__ long long table_row(int batch, int head, const P& p) {
+    (void)batch; (void)head; (void)p;
+    return (long long)batch * 1 + 0;
+}
+
+template <class P>
+__device__ __forceinline__ Bounds bounds(int m0, int, int Sq, int, int batch, int head, const P& p) {
+    const int m_blocks = (Sq + cfg::BLOCK_M - 1) / cfg::BLOCK_M;
+    const int4 t = reinterpret_cast<const int4*>(p.mask_table)[table_row(batch, head, p) * m_blocks + m0 / cfg::BLOCK_M];
+    return {t.x, t.y, t.z, t.w};
+}
+
+// prefix's values over positions [lo, hi] of its last index (the leading ones exact): the
+// element itself at one position, else the min and max of the granules the range touches.
+template <class P>
+__device__ __forceinline__ maskc_span span_prefix(const P& p, long long lo, long long hi) {
+    const long long n = p.in_prefix_n0;
+    if (lo < 0 || hi >= n || lo > hi) return maskc_span{0LL, 0LL, false};
+    if (lo == hi) {
+        const long long v = p.in_prefix[lo * p.in_prefix_s0];
+        return maskc_span{v, v, true};
+    }
+    const long long row = 0LL;
+    const int* s = p.sum_prefix + 2 * row * ((n + GRANULE - 1) / GRANULE);
+    int v_lo = 0x7fffffff, v_hi = -0x7fffffff - 1;
+#pragma unroll 1
+    for (long long g = lo / GRANULE; g <= hi / GRANULE; ++g) {
+        v_lo = min(v_lo, s[2 * g]);
+        v_hi = max(v_hi, s[2 * g + 1]);
+    }
+    return maskc_span{v_lo, v_hi, true};
+}
+
+// classify() with input ranges from the summaries: 0 empty, 1 partial, 2 full (interval arithmetic).
+template <class P>
+__device__ __forceinline__ int classify_spans(long long q_lo, long long q_hi, long long kv_lo, long long kv_hi,
+                                              long long q_len, long long kv_len, long long b, long long h,
+                                              const P& p) {
+    const maskc_span maskc_t0 = (true) ? span_prefix(p, b, b) : maskc_span{0LL, 0LL, false};
+    const long long maskc_t1 = kv_lo - maskc_t0.hi;
+    const long long maskc_t2 = kv_hi - maskc_t0.lo;
+    const bool maskc_t3 = !maskc_t0.ok || (maskc_t1 < 0);
+    const bool maskc_t4 = !maskc_t0.ok || (maskc_t2 >= 0);
+    const long long maskc_t5 = -q_hi + kv_lo - kv_len + q_len;
+    const long long maskc_t6 = -q_lo + kv_hi - kv_len + q_len;
+    const bool maskc_t7 = maskc_t5 <= 0;
+    const bool maskc_t8 = maskc_t6 > 0;
+    const bool maskc_t9 = maskc_t3 || maskc_t7;
+    const bool maskc_t10 = maskc_t4 && maskc_t8;
+    if (!(maskc_t9)) return 0;
+    if (!(maskc_t10)) return 2;
     return 1;
 }
 
-// One pass over the key blocks: the first and last that are not empty, and the first run of full
-// ones (full blocks after it are masked per element: correct, a little slower).
+// Kernel 1: per summarized input, the min and max of each GRANULE positions of each row.
 template <class P>
-__device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int batch, int head, const P& p) {
-    Bounds r{0, 0, 0, 0};
-    bool seen = false, in_run = false, run_over = false;
+__device__ void summarize(const P& p) {
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+
+    {
+        const long long n = p.in_prefix_n0, granules = (n + GRANULE - 1) / GRANULE;
+        const long long rows = 1LL;
 #pragma unroll 1
-    for (int n0 = 0; n0 < Sk; n0 += cfg::BLOCK_N) {
-        const int n1 = min(n0 + cfg::BLOCK_N, Sk);
-        const int c = classify(m0, m1 - 1, n0, n1 - 1, Sq, Sk, batch, head, p);
-        if (c != 0) {
-            if (!seen) r.kv_begin = n0;
-            seen = true;
-            r.kv_end = n1;
-        }
-        if (c == 2 && !run_over) {
-            if (!in_run) r.full_begin = n0;
-            in_run = true;
-            r.full_end = n1;
-        } else if (in_run) {
-            in_run = false;
-            run_over = true;
+        for (long long w = first; w < rows * granules; w += stride) {
+            const long long g = w % granules;
+            long long rest = w / granules, offset = 0;
+            (void)rest;
+
+            int v_lo = 0x7fffffff, v_hi = -0x7fffffff - 1;
+            const long long end = min(n, (g + 1) * GRANULE);
+#pragma unroll 1
+            for (long long j = g * GRANULE; j < end; ++j) {
+                const int v = p.in_prefix[offset + j * p.in_prefix_s0];
+                v_lo = min(v_lo, v);
+                v_hi = max(v_hi, v);
+            }
+            p.sum_prefix[2 * w] = v_lo;
+            p.sum_prefix[2 * w + 1] = v_hi;
         }
     }
-    return r;
+
+}
+
+// Kernel 2: one warp per (table row, query block) classifies the key blocks 32 at a time and
+// writes what the generic scan would find: the first and last non-empty block and the first run
+// of full ones (full blocks after it are masked per element: correct, a little slower).
+template <class P>
+__device__ void build_table(const P& p) {
+    const int lane = threadIdx.x % 32;
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int m_blocks = (p.Sq + cfg::BLOCK_M - 1) / cfg::BLOCK_M;
+    if (warp >= (long long)p.mask_rows * m_blocks) return;
+    const int row = (int)(warp / m_blocks), m_block = (int)(warp % m_blocks);
+    const int batch = row / 1;
+    const int head = 0;
+    const int m0 = m_block * cfg::BLOCK_M, m1 = min(m0 + cfg::BLOCK_M, p.Sq);
+    const int n_blocks = (p.Sk + cfg::BLOCK_N - 1) / cfg::BLOCK_N;
+    int kv_begin = 0, kv_end = 0, full_begin = 0, full_end = 0;
+    bool seen = false;
+    int run = 0;  // 0: no full block yet, 1: inside the first run of full blocks, 2: past it
+#pragma unroll 1
+    for (int base = 0; base < n_blocks; base += 32) {
+        const int i = base + lane;
+        int c = 0;
+        if (i < n_blocks) {
+            const int n0 = i * cfg::BLOCK_N, n1 = min(n0 + cfg::BLOCK_N, p.Sk);
+            c = classify_spans(m0, m1 - 1, n0, n1 - 1, p.Sq, p.Sk, batch, head, p);
+        }
+        const unsigned nonempty = __ballot_sync(0xffffffffu, c != 0), full = __ballot_sync(0xffffffffu, c == 2);
+        if (nonempty != 0) {
+            if (!seen) kv_begin = (base + __ffs(nonempty) - 1) * cfg::BLOCK_N;
+            seen = true;
+            kv_end = min((base + 32 - __clz(nonempty)) * cfg::BLOCK_N, p.Sk);
+        }
+        int start = 0;  // the bit where the run starts or goes on in this chunk
+        if (run == 0 && full != 0) {
+            start = __ffs(full) - 1;
+            full_begin = (base + start) * cfg::BLOCK_N;
+            run = 1;
+        }
+        if (run == 1) {
+            const unsigned ends = ~full & (0xffffffffu << start);  // blocks from `start` on that are not full
+            if (ends == 0) {
+                full_end = min((base + 32) * cfg::BLOCK_N, p.Sk);
+            } else {
+                const int e = __ffs(ends) - 1;
+                if (e > start) full_end = min((base + e) * cfg::BLOCK_N, p.Sk);
+                run = 2;
+            }
+        }
+    }
+    if (lane == 0) reinterpret_cast<int4*>(p.mask_table)[warp] = make_int4(kv_begin, kv_end, full_begin, full_end);
 }
 
 }  // namespace mask
+
+
+// The table's kernels (attngen/mask_table.py launches them before the attention kernel).
+extern "C" __global__ void __launch_bounds__(256)
+fwd_sm90_expr_18dfdbe6e4_d64_gqa1_bf16_m128n128s2opr_sm90a_mask_summaries(const __grid_constant__ FwdSm90Params p) {
+    mask::summarize(p);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+fwd_sm90_expr_18dfdbe6e4_d64_gqa1_bf16_m128n128s2opr_sm90a_mask_table(const __grid_constant__ FwdSm90Params p) {
+    mask::build_table(p);
+}
+
 
 
 // Score modifier none
@@ -422,7 +540,7 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[32], const u32 (&a)[4], u64 
 // under the other's GEMMs; PINGPONG makes the consumer warpgroups take turns issuing GEMMs, so
 // one's softmax runs under the other's. Key blocks the mask makes empty are never loaded;
 // blocks it makes full are never masked per element.
-// Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_N,
+// Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
 // CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PERSISTENT, SET_MAX_REGS, PRODUCER_REGS,
 // CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
 // namespace score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2),
@@ -436,7 +554,7 @@ using Params = FwdSm90Params;
 #define NEG_INF (-__int_as_float(0x7f800000))
 constexpr int WG_THREADS = 128;
 constexpr int THREADS = (CONSUMERS + 1) * WG_THREADS;
-constexpr int BLOCK_M = 64 * CONSUMERS;          // query rows per CTA: 64 per consumer warpgroup
+static_assert(BLOCK_M == 64 * CONSUMERS, "query rows per CTA: 64 per consumer warpgroup");
 constexpr int CHUNKS = (HEAD_DIM + 63) / 64;     // 64-column (128-byte) chunks of a row: one TMA box each
 constexpr int Q_CHUNK = BLOCK_M * 128;           // bytes of one column chunk of the Q tile
 constexpr int KV_CHUNK = BLOCK_N * 128;

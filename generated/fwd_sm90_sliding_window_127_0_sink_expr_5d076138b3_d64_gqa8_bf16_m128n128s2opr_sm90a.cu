@@ -166,6 +166,7 @@ namespace cfg {
 typedef u16 elem_t;  // bf16 bits; arithmetic goes through the tensor cores and cvt
 constexpr bool IS_BF16 = true;
 constexpr int HEAD_DIM = 64;
+constexpr int BLOCK_M = 128;  // query rows per tile
 constexpr int BLOCK_N = 128;
 constexpr int CONSUMERS = 2;  // consumer warpgroups, 64 query rows each
 constexpr int NUM_STAGES = 2;
@@ -222,6 +223,11 @@ static_assert(__builtin_offsetof(FwdSm90Params, in_sinks_s0) == 560, "host and d
 // which key blocks a CTA loads and which it masks per element.
 #ifndef ATTNGEN_MASKC_PREAMBLE
 #define ATTNGEN_MASKC_PREAMBLE
+// An input's values over a range of positions (ok false: unknown).
+struct maskc_span {
+    long long lo, hi;
+    bool ok;
+};
 // Python's floor division and modulo for a positive divisor d (C++ truncates toward zero).
 __host__ __device__ __forceinline__ long long maskc_floordiv(long long a, long long d) {
     long long q = a / d;
@@ -287,6 +293,7 @@ __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, in
 }  // namespace mask
 
 
+
 // Score modifier none
 // Sink expr_5d076138b3: sinks[h]
 // Lowered by attngen/score_mods.py from their expressions (attngen/maskc): the modifier applies to
@@ -294,6 +301,11 @@ __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, in
 // per row that joins the softmax's denominator only (gpt-oss's learned attention sinks).
 #ifndef ATTNGEN_MASKC_PREAMBLE
 #define ATTNGEN_MASKC_PREAMBLE
+// An input's values over a range of positions (ok false: unknown).
+struct maskc_span {
+    long long lo, hi;
+    bool ok;
+};
 // Python's floor division and modulo for a positive divisor d (C++ truncates toward zero).
 __host__ __device__ __forceinline__ long long maskc_floordiv(long long a, long long d) {
     long long q = a / d;
@@ -421,7 +433,7 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[32], const u32 (&a)[4], u64 
 // under the other's GEMMs; PINGPONG makes the consumer warpgroups take turns issuing GEMMs, so
 // one's softmax runs under the other's. Key blocks the mask makes empty are never loaded;
 // blocks it makes full are never masked per element.
-// Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_N,
+// Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
 // CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PERSISTENT, SET_MAX_REGS, PRODUCER_REGS,
 // CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
 // namespace score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2),
@@ -435,7 +447,7 @@ using Params = FwdSm90Params;
 #define NEG_INF (-__int_as_float(0x7f800000))
 constexpr int WG_THREADS = 128;
 constexpr int THREADS = (CONSUMERS + 1) * WG_THREADS;
-constexpr int BLOCK_M = 64 * CONSUMERS;          // query rows per CTA: 64 per consumer warpgroup
+static_assert(BLOCK_M == 64 * CONSUMERS, "query rows per CTA: 64 per consumer warpgroup");
 constexpr int CHUNKS = (HEAD_DIM + 63) / 64;     // 64-column (128-byte) chunks of a row: one TMA box each
 constexpr int Q_CHUNK = BLOCK_M * 128;           // bytes of one column chunk of the Q tile
 constexpr int KV_CHUNK = BLOCK_N * 128;

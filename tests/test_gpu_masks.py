@@ -131,6 +131,53 @@ def test_runtime_inputs_match_the_reference(gpu_family):
         attngen.attention(q, k, v, mask=DOC_MASK, score_mod="alibi", inputs={"doc": doc[:, :200], "slope": slope})
 
 
+def test_the_block_table_holds_the_bounds_of_the_model(gpu_family):
+    """The two kernels that build a document mask's table per call (attngen/mask_table.py): the
+    summaries are the min and max of doc per granule, and every query block's bounds are those of
+    the Python model (MaskLowering.bounds with the granule); the attention matches the reference."""
+    import torch
+
+    from attngen import mask_table
+    from attngen.runtime.dispatch import _outputs_and_call
+    from attngen.runtime.tensors import describe
+
+    B, S, Hkv, ratio = 2, 1500, 2, 2
+    spec = AttentionSpec(head_dim=64, mask=DOC_MASK, gqa_ratio=ratio, family=gpu_family)
+    kernel = attngen.compile(spec)
+    q, k, v = _inputs(B, S, S, Hkv, ratio, 64, seed=21)
+    gen = torch.Generator().manual_seed(4)
+    lengths = [torch.randint(1, 400, (12,), generator=gen).tolist() for _ in range(B)]
+    lengths[1][3] = 1  # a document of one token
+    doc = torch.tensor([(sum(([i] * n for i, n in enumerate(row)), []) + [len(row)] * S)[:S] for row in lengths],
+                       dtype=torch.int32, device="cuda")
+    out, lse, call = _outputs_and_call(kernel.plan, q, describe(q, "q"), describe(k, "k"), describe(v, "v"), None,
+                                       None, None, {"doc": doc})
+    workspace = torch.zeros(kernel.workspace_bytes(call), dtype=torch.uint8, device="cuda")
+    call = dataclasses.replace(call, workspace=workspace.data_ptr())
+    kernel._module.launch(kernel.family.launches(kernel.plan, call), torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+
+    plan, g = kernel.plan, mask_table.GRANULE
+    offsets, table_at, _ = mask_table.layout(plan.mask_table, call, plan.block_m)
+    granules = -(-S // g)
+    summaries = workspace[offsets["doc"]:offsets["doc"] + B * granules * 8].view(torch.int32).view(B, granules, 2)
+    padded = torch.cat([doc, doc[:, -1:].expand(B, granules * g - S)], dim=1).view(B, granules, g)
+    assert torch.equal(summaries[..., 0], padded.amin(-1)) and torch.equal(summaries[..., 1], padded.amax(-1))
+    m_blocks = -(-S // plan.block_m)
+    table = workspace[table_at:table_at + B * m_blocks * 16].view(torch.int32).view(B, m_blocks, 4).cpu()
+    lowering, host_doc = plan.mask, {"doc": doc.cpu()}
+    for b in range(B):
+        for m in range(m_blocks):
+            m0, m1 = m * plan.block_m, min((m + 1) * plan.block_m, S)
+            expected = lowering.bounds(m0, m1, S, S, plan.block_n, b=b, inputs=host_doc, granule=g)
+            assert tuple(table[b, m].tolist()) == expected, (b, m, table[b, m].tolist(), expected)
+    assert int((table[..., 1] - table[..., 0]).sum()) < B * m_blocks * S // 3  # causal alone: S / 2
+    ref, ref_lse = reference.attention_for_spec(q, k, v, spec, return_lse=True, inputs={"doc": doc})
+    scale = spec.effective_scale
+    assert (tolerance.check_output(out, ref, q, k, v, "bf16", scale) or tolerance.check_lse(lse, ref_lse, q, k, scale)) \
+        is None
+
+
 def test_sinks_match_the_reference_with_rows_that_see_no_key(gpu_family):
     """Per-head sinks under causal with Sk < Sq: the first rows see no key (output 0, LSE = sink)."""
     import torch

@@ -665,6 +665,43 @@ def test_inputs_are_read_where_their_index_is_exact():
     assert docs.classify(0, 0, 2, 2, 4, 4, inputs={"doc": doc.tolist()}) == "empty"  # nested lists work too
 
 
+def test_with_a_granule_inputs_are_read_over_ranges_of_their_last_index():
+    # What the block table's summaries give (attngen/mask_table.py): the min and max over the
+    # granules the range touches; exact at one position; unknown outside the tensor.
+    docs = compile_mask("doc[b, q_idx] == doc[b, kv_idx]")
+    doc = torch.tensor([[0] * 8 + [1] * 8 + [2] * 4, [5] * 20])
+    rows = {"doc": doc}
+    assert docs.classify(0, 7, 8, 15, 20, 20, b=0, inputs=rows, granule=4) == "empty"
+    assert docs.classify(8, 15, 8, 15, 20, 20, b=0, inputs=rows, granule=4) == "full"
+    assert docs.classify(0, 15, 16, 19, 20, 20, b=1, inputs=rows, granule=4) == "full"
+    assert docs.classify(6, 9, 8, 11, 20, 20, b=0, inputs=rows, granule=4) == "partial"
+    # granules of 16: rows 0..7 summarize as doc 0..1, so the same rectangle is no longer empty (sound)
+    assert docs.classify(0, 7, 8, 15, 20, 20, b=0, inputs=rows, granule=16) == "partial"
+    assert docs.classify(0, 7, 8, 15, 20, 20, b=0, inputs=rows) == "partial"  # no granule: not exact, unknown
+    assert docs.classify(0, 7, 8, 15, 20, 20, b=0, inputs={"doc": doc[:, :12]}, granule=4) == "partial"
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), q_len=st.integers(1, 64), kv_len=st.integers(1, 64), granule=st.sampled_from([1, 4, 16]))
+def test_classification_with_granules_is_sound(data, q_len, kv_len, granule):
+    """Random document ids (sorted or not) under documents and causal: empty and full are never wrong."""
+    program = compile_mask("doc[b, q_idx] == doc[b, kv_idx] and kv_idx <= q_idx + (kv_len - q_len)")
+    n = max(q_len, kv_len)
+    ids = data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n), label="ids")
+    if data.draw(st.booleans(), label="sorted"):
+        ids = sorted(ids)
+    inputs = {"doc": torch.tensor([ids])}
+    visible = grid(program, q_len, kv_len, inputs=inputs)
+    for _ in range(8):
+        q_lo = data.draw(st.integers(0, q_len - 1))
+        q_hi = data.draw(st.integers(q_lo, q_len - 1))
+        kv_lo = data.draw(st.integers(0, kv_len - 1))
+        kv_hi = data.draw(st.integers(kv_lo, kv_len - 1))
+        got = program.classify(q_lo, q_hi, kv_lo, kv_hi, q_len, kv_len, inputs=inputs, granule=granule)
+        actual = truth(visible[q_lo:q_hi + 1, kv_lo:kv_hi + 1])
+        assert got == actual or got == "partial", (ids, (q_lo, q_hi, kv_lo, kv_hi), granule, got, actual)
+
+
 def test_interval_rules():
     # abs, min/max, //, % and where over ranges, checked on rectangles where the answer is known
     assert compile_mask("abs(q_idx - kv_idx) <= 3").classify(10, 12, 9, 13, 64, 64) == "full"

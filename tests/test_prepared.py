@@ -13,8 +13,12 @@ from attngen.runtime.tensors import TensorInfo
 
 
 class RecordingKernel:
-    def __init__(self):
+    def __init__(self, workspace_bytes=0):
         self.bound = []
+        self.workspace = workspace_bytes
+
+    def workspace_bytes(self, call: ForwardCall) -> int:
+        return self.workspace
 
     def bind(self, call: ForwardCall):
         self.bound.append(call)
@@ -33,9 +37,9 @@ def _call(B=2, S=100, H=4, D=64) -> ForwardCall:
 def test_launches_are_packed_once_per_pointer_set_with_those_pointers():
     kernel = RecordingKernel()
     prepared = Prepared(kernel, _call(), stamp=None)
-    first = prepared.launches((16, 32, 48, 64, 80))
-    assert prepared.launches((16, 32, 48, 64, 80)) is first and len(kernel.bound) == 1
-    other = prepared.launches((96, 32, 48, 64, 80))
+    first = prepared.launches((16, 32, 48, 64, 80, 0))
+    assert prepared.launches((16, 32, 48, 64, 80, 0)) is first and len(kernel.bound) == 1
+    other = prepared.launches((96, 32, 48, 64, 80, 0))
     assert other[0][1:] == (96, 32, 48, 64, 80) and len(kernel.bound) == 2
     call = kernel.bound[-1]
     assert call.q.shape == (2, 100, 4, 64) and call.lse.shape == (2, 4, 100) and call.softmax_scale == 0.125
@@ -45,7 +49,7 @@ def test_launches_are_packed_once_per_pointer_set_with_those_pointers():
 def test_the_pointer_memo_is_bounded():
     prepared = Prepared(RecordingKernel(), _call(), stamp=None)
     for i in range(3 * MAX_BOUND):
-        prepared.launches((16 * i, 0, 0, 0, 0))
+        prepared.launches((16 * i, 0, 0, 0, 0, 0))
     assert len(prepared._bound) <= MAX_BOUND
 
 
@@ -64,13 +68,14 @@ def test_a_prepared_call_is_stale_once_the_tuning_database_changes(monkeypatch):
     assert Prepared(RecordingKernel(), _call(), stamp=None).current()  # fully configured: never stale
 
 
-def test_runtime_inputs_join_the_pointer_set():
-    """A layout's runtime inputs are addressed like q, k, v: their pointers follow out and lse."""
+def test_runtime_inputs_and_the_workspace_join_the_pointer_set():
+    """A layout's workspace and runtime inputs are addressed like q, k, v: after out and lse."""
     call = _call()
     doc = TensorInfo("inputs['doc']", "torch", 0, (2, 100), (100, 1), "int32", 0)
-    kernel = RecordingKernel()
+    kernel = RecordingKernel(workspace_bytes=512)
     prepared = Prepared(kernel, dataclasses.replace(call, inputs=(("doc", doc),)), stamp=None)
-    prepared.launches((16, 32, 48, 64, 80, 4096))
-    prepared.launches((16, 32, 48, 64, 80, 8192))
-    assert [c.input("doc").ptr for c in kernel.bound] == [4096, 8192]
+    assert prepared.workspace_bytes == 512
+    prepared.launches((16, 32, 48, 64, 80, 1024, 4096))
+    prepared.launches((16, 32, 48, 64, 80, 2048, 8192))
+    assert [(c.workspace, c.input("doc").ptr) for c in kernel.bound] == [(1024, 4096), (2048, 8192)]
     assert kernel.bound[0].input("doc").shape == (2, 100) and kernel.bound[0].q.ptr == 16

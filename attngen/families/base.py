@@ -36,6 +36,7 @@ from attngen.targets import Target
 
 if TYPE_CHECKING:
     from attngen.build.nvcc import ResourceReport
+    from attngen.mask_table import MaskTable
     from attngen.masks import MaskLowering
     from attngen.score_mods import ScoreModLowering
     from attngen.runtime.tensors import TensorInfo
@@ -92,6 +93,13 @@ class ForwardPlan(Plan):
     def inputs(self) -> tuple:
         """The runtime inputs the mask and score modifier read (attngen/runtime_inputs.py Declared)."""
         return problem_inputs(self.problem)
+
+    @property
+    def mask_table(self) -> "MaskTable | None":
+        """The block table built per call for a mask that reads int inputs (attngen/mask_table.py)."""
+        from attngen.mask_table import for_problem
+
+        return for_problem(self.problem)
 
     @property
     def score_mod(self) -> "ScoreModLowering | None":

@@ -36,9 +36,17 @@ from attngen.maskc.interval import comparison_form, is_linear_op, linearize
 from attngen.maskc.ir import Const, Input, Node, Op, Type, Var
 
 InputRef = Callable[[str, list], str]
+# (input name, C++ of its exact leading indices, C++ of the last index's lo and hi) -> C++ of a
+# maskc_span: the input's range over those positions (attngen/mask_table.py reads summaries).
+SpanRef = Callable[[str, list, str, str], str]
 
 PREAMBLE = r"""#ifndef ATTNGEN_MASKC_PREAMBLE
 #define ATTNGEN_MASKC_PREAMBLE
+// An input's values over a range of positions (ok false: unknown).
+struct maskc_span {
+    long long lo, hi;
+    bool ok;
+};
 // Python's floor division and modulo for a positive divisor d (C++ truncates toward zero).
 __host__ __device__ __forceinline__ long long maskc_floordiv(long long a, long long d) {
     long long q = a / d;
@@ -309,10 +317,11 @@ def _input_read(node: Input, index_code: list, ref: InputRef) -> str:
 # -- block classification ----------------------------------------------------------------------------
 
 
-def classify_code(node: Node, input_ref: InputRef | None = None) -> str:
+def classify_code(node: Node, input_ref: InputRef | None = None, span_ref: SpanRef | None = None) -> str:
     """The body of `int classify(long long q_lo, q_hi, kv_lo, kv_hi, q_len, kv_len, b, h)`:
-    returns 0 (empty), 1 (partial) or 2 (full)."""
-    emitter = _ClassifyEmitter(input_ref or default_input_ref)
+    returns 0 (empty), 1 (partial) or 2 (full). With span_ref, an input whose leading indices are
+    exact is read through it over its last index's range (interval.classify with a granule)."""
+    emitter = _ClassifyEmitter(input_ref or default_input_ref, span_ref)
     can_true, can_false = emitter.tri(node)
     emitter.lines += [f"if (!({can_true})) return 0;", f"if (!({can_false})) return 2;", "return 1;"]
     return "\n".join(emitter.lines)
@@ -321,8 +330,9 @@ def classify_code(node: Node, input_ref: InputRef | None = None) -> str:
 class _ClassifyEmitter:
     """Prints interval.int_range / interval.tri as straight-line code, one temporary per node."""
 
-    def __init__(self, input_ref: InputRef):
+    def __init__(self, input_ref: InputRef, span_ref: SpanRef | None = None):
         self.input_ref = input_ref
+        self.span_ref = span_ref
         self.lines: list[str] = []
         self.ranges: dict = {}  # node -> (lo, hi, ok) C++ names or literals
         self.tris: dict = {}  # node -> (can_true, can_false)
@@ -408,6 +418,13 @@ class _ClassifyEmitter:
         # Read only where every index is exact and known; the ternary keeps the read from happening
         # otherwise (the index would not be one point's index).
         ranges = [self.range(i) for i in node.index]
+        if self.span_ref is not None and ranges:
+            *leading, (lo, hi, last_ok) = ranges
+            known = _all_of([f"({ok} && {a} == {b})" if ok != "true" else f"{a} == {b}" for a, b, ok in leading]
+                            + [last_ok])
+            span = self._temp("maskc_span", f"({known}) ? {self.span_ref(node.name, [a for a, _, _ in leading], lo, hi)}"
+                                            " : maskc_span{0LL, 0LL, false}")
+            return f"{span}.lo", f"{span}.hi", f"{span}.ok"
         exact = _all_of([f"({ok} && {lo} == {hi})" if ok != "true" else f"{lo} == {hi}" for lo, hi, ok in ranges])
         read = _input_read(node, [lo for lo, _, _ in ranges], self.input_ref)
         ok = self._temp("bool", exact)

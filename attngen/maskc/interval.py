@@ -126,6 +126,9 @@ class Box:
     scalars: dict  # b, h, q_len, kv_len
     inputs: dict | None = None
     memo: dict = field(default_factory=dict)
+    # With a granule, an input read whose last index spans a range takes the min and max of the
+    # input over the granules that range touches (the per-call summaries of attngen/mask_table.py).
+    granule: int | None = None
 
 
 def _scaled_range(r: Range, coef: int) -> Range:
@@ -192,17 +195,33 @@ def _int_range(node: Node, box: Box) -> Range | None:
 
 
 def _input_range(node: Input, box: Box) -> Range | None:
-    """An input's value where every index is exact (and in range of the tensor given), else unknown."""
+    """An input's value where every index is exact (and in range of the tensor given), else unknown;
+    with box.granule, the last index may span a range (granule_span)."""
     if box.inputs is None or node.name not in box.inputs:
         return None
     index = []
-    for i in node.index:
+    for d, i in enumerate(node.index):
         r = int_range(i, box)
+        if r is not None and r.lo != r.hi and box.granule is not None and d == len(node.index) - 1:
+            return granule_span(box.inputs[node.name], index, r.lo, r.hi, box.granule)
         if r is None or r.lo != r.hi:
             return None
         index.append(r.lo)
     number = _read(box.inputs[node.name], index)
     return None if number is None else Range(number, number)
+
+
+def granule_span(value, prefix: list, lo: int, hi: int, granule: int) -> Range | None:
+    """The min and max of value[prefix][j] over the granules of `granule` elements that [lo, hi]
+    touches (a superset of [lo, hi], so sound); None where [lo, hi] leaves the tensor."""
+    numbers = []
+    for j in range(lo // granule * granule, (hi // granule + 1) * granule):
+        number = _read(value, [*prefix, j])
+        if number is None and j <= hi:
+            return None
+        if number is not None:
+            numbers.append(number)
+    return Range(min(numbers), max(numbers))
 
 
 def _read(value, index: list) -> int | None:
@@ -258,13 +277,13 @@ def tri(node: Node, box: Box) -> Tri:
 
 
 def classify(node: Node, q_lo: int, q_hi: int, kv_lo: int, kv_hi: int, q_len: int, kv_len: int,
-             b: int = 0, h: int = 0, inputs: dict | None = None) -> str:
-    """EMPTY, FULL or PARTIAL for the mask node over the inclusive rectangle."""
+             b: int = 0, h: int = 0, inputs: dict | None = None, granule: int | None = None) -> str:
+    """EMPTY, FULL or PARTIAL for the mask node over the inclusive rectangle (granule: Box.granule)."""
     bounds = [int(x) for x in (q_lo, q_hi, kv_lo, kv_hi, q_len, kv_len, b, h)]
     q_lo, q_hi, kv_lo, kv_hi, q_len, kv_len, b, h = bounds
     if q_lo > q_hi or kv_lo > kv_hi:
         raise ValueError(f"empty rectangle: q [{q_lo}, {q_hi}], kv [{kv_lo}, {kv_hi}] (bounds are inclusive)")
-    box = Box(q_lo, q_hi, kv_lo, kv_hi, {"b": b, "h": h, "q_len": q_len, "kv_len": kv_len}, inputs)
+    box = Box(q_lo, q_hi, kv_lo, kv_hi, {"b": b, "h": h, "q_len": q_len, "kv_len": kv_len}, inputs, granule=granule)
     result = tri(node, box)
     if not result.can_true:
         return EMPTY

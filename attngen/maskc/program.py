@@ -34,20 +34,23 @@ class MaskProgram:
                              inputs)
         return dense.broadcast_result(dense.evaluate(self.ir, env), env)
 
-    def classify(self, q_lo, q_hi, kv_lo, kv_hi, q_len, kv_len, b=0, h=0, inputs=None) -> str:
+    def classify(self, q_lo, q_hi, kv_lo, kv_hi, q_len, kv_len, b=0, h=0, inputs=None, granule=None) -> str:
         """"empty", "full" or "partial" for the inclusive rectangle [q_lo, q_hi] x [kv_lo, kv_hi].
         Sound: "empty" only if nothing in it is visible, "full" only if everything is. An input is
-        read only where its index is exact over the rectangle (and inputs are given), else unknown."""
-        return interval.classify(self.ir, q_lo, q_hi, kv_lo, kv_hi, q_len, kv_len, b, h, inputs)
+        read only where its index is exact over the rectangle (and inputs are given), else unknown;
+        with a granule, a last index over a range reads the input's min and max over its granules
+        (what the kernels' per-call summaries hold, attngen/mask_table.py)."""
+        return interval.classify(self.ir, q_lo, q_hi, kv_lo, kv_hi, q_len, kv_len, b, h, inputs, granule)
 
     def cuda_visible(self, input_ref: cuda.InputRef | None = None) -> str:
         """A C++ bool expression over long long q_idx, kv_idx, q_len, kv_len, b, h."""
         return cuda.point_code(self.ir, input_ref)
 
-    def cuda_classify(self, input_ref: cuda.InputRef | None = None) -> str:
+    def cuda_classify(self, input_ref: cuda.InputRef | None = None, span_ref: cuda.SpanRef | None = None) -> str:
         """The body of a function returning int (0 empty, 1 partial, 2 full) over long long q_lo, q_hi,
-        kv_lo, kv_hi, q_len, kv_len, b, h; the same analysis as classify()."""
-        return cuda.classify_code(self.ir, input_ref)
+        kv_lo, kv_hi, q_len, kv_len, b, h; the same analysis as classify() (with span_ref: as with a
+        granule, the span helper reading the summaries)."""
+        return cuda.classify_code(self.ir, input_ref, span_ref)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ the spec names for offline generation: arch-specific code never runs on another 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -50,12 +51,21 @@ class Kernel:
         reason = self.family.accepts(self.plan, call)
         if reason is not None:
             raise ValueError(f"{self.plan.name} cannot run these tensors: {reason}")
-        self.run(call, current_stream(q, self.device))
+        self.run(call, current_stream(q, self.device), q)
         return out, lse
 
-    def run(self, call: ForwardCall, stream: int) -> None:
+    def workspace_bytes(self, call: ForwardCall) -> int:
+        return self.family.workspace_bytes(self.plan, call)
+
+    def run(self, call: ForwardCall, stream: int, ref) -> None:
+        """Launch the call's kernels on `stream`, with a workspace of `ref`'s kind when they need one
+        (freed once queued: the caching allocators reuse memory in stream order)."""
         if call.batch == 0 or call.seq_q == 0 or call.heads_q == 0:
             return
+        size = self.workspace_bytes(call)
+        workspace = new_like(ref, (size,), "uint8") if size else None
+        if workspace is not None:
+            call = dataclasses.replace(call, workspace=describe(workspace, "workspace").ptr)
         self._module.launch(self.family.launches(self.plan, call), stream)
 
     def bind(self, call: ForwardCall) -> tuple:
@@ -225,7 +235,7 @@ def forward(q, k, v, spec: AttentionSpec, *, softmax_scale: float | None = None,
         reason = kernel.family.accepts(kernel.plan, call)
         if reason is not None:
             kernel = _fallback(spec, kernel, call, reason)
-        kernel.run(call, current_stream(q, qi.device))
+        kernel.run(call, current_stream(q, qi.device), q)
         return out, lse
     given = describe_inputs(inputs)
     layout = (spec, softmax_scale, qi.shape, qi.strides, qi.dtype, qi.device, ki.shape, ki.strides, ki.dtype,

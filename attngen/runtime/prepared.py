@@ -33,6 +33,7 @@ class Prepared:
         self.lse_shape = (B, Hq, Sq)
         self.device = call.q.device
         self.empty = call.batch == 0 or call.seq_q == 0 or call.heads_q == 0
+        self.workspace_bytes = kernel.workspace_bytes(call)  # scratch per call (a mask's block table)
         self._bound: dict[tuple[int, ...], tuple] = {}
 
     def current(self) -> bool:
@@ -44,17 +45,18 @@ class Prepared:
         return self.stamp == lookup.recent_stamp()
 
     def launches(self, ptrs: tuple[int, ...]) -> tuple:
-        """The packed launches for (q, k, v, out, lse, then the runtime inputs by name) at these addresses."""
+        """The packed launches for (q, k, v, out, lse, workspace or 0, then the runtime inputs by name)
+        at these addresses."""
         bound = self._bound.get(ptrs)
         if bound is None:
             if len(self._bound) >= MAX_BOUND:
                 self._bound.clear()
             t = self.template
-            inputs = tuple((name, dataclasses.replace(info, ptr=ptr)) for (name, info), ptr in zip(t.inputs, ptrs[5:]))
+            inputs = tuple((name, dataclasses.replace(info, ptr=ptr)) for (name, info), ptr in zip(t.inputs, ptrs[6:]))
             call = dataclasses.replace(
                 t, q=dataclasses.replace(t.q, ptr=ptrs[0]), k=dataclasses.replace(t.k, ptr=ptrs[1]),
                 v=dataclasses.replace(t.v, ptr=ptrs[2]), out=dataclasses.replace(t.out, ptr=ptrs[3]),
-                lse=dataclasses.replace(t.lse, ptr=ptrs[4]), inputs=inputs)
+                lse=dataclasses.replace(t.lse, ptr=ptrs[4]), workspace=ptrs[5], inputs=inputs)
             bound = self._bound[ptrs] = self.kernel.bind(call)
         return bound
 
@@ -64,8 +66,11 @@ class Prepared:
         out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if not self.empty:
+            # Freed once queued: the caching allocator hands it out again in stream order.
+            workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=q.device) \
+                if self.workspace_bytes else None
             ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                    *(t.data_ptr() for t in inputs))
+                    0 if workspace is None else workspace.data_ptr(), *(t.data_ptr() for t in inputs))
             self.kernel.launch_bound(self.launches(ptrs), stream)
         return out, lse
 
@@ -75,7 +80,9 @@ class Prepared:
         out, lse = new_like(q, self.out_shape), new_like(q, self.lse_shape, "float32")
         if not self.empty:
             inputs = inputs or {}
+            workspace = new_like(q, (self.workspace_bytes,), "uint8") if self.workspace_bytes else None
             ptrs = (describe(q, "q").ptr, describe(k, "k").ptr, describe(v, "v").ptr, describe(out, "out").ptr,
-                    describe(lse, "lse").ptr, *(describe(inputs[name], name).ptr for name, _ in self.template.inputs))
+                    describe(lse, "lse").ptr, 0 if workspace is None else describe(workspace, "workspace").ptr,
+                    *(describe(inputs[name], name).ptr for name, _ in self.template.inputs))
             self.kernel.launch_bound(self.launches(ptrs), current_stream(q, self.device))
         return out, lse

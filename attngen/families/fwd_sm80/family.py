@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from attngen import mask_table
 from attngen.codegen import render as codegen
 from attngen.codegen.abi import Abi, Param
 from attngen.errors import SpecError
@@ -209,9 +210,12 @@ class Sm80Forward(KernelFamily):
                 field="config")
         name = self.plan_name(problem, target, config, fault)
         threads = config.num_warps * 32
+        table = mask_table.for_problem(problem)
+        abi = mask_table.with_table(with_inputs(ARGUMENTS, problem_inputs(problem), _the_call), table, _the_call,
+                                    config.block_m)
         return Sm80Plan(
             family=self.name, name=name, problem=problem, target=target, config=config,
-            kernels=(KernelPlan(name, threads, smem, with_inputs(ARGUMENTS, problem_inputs(problem), _the_call)),),
+            kernels=(KernelPlan(name, threads, smem, abi), *mask_table.kernels(name, table, abi)),
             block_m=config.block_m, block_n=config.block_n,
             fault=fault, num_warps=config.num_warps, num_stages=config.num_stages, q_in_regs=q_in_regs,
             row_sums_in_smem=register_tight, sub_n=sub_n, threads=threads, smem_bytes=smem, min_blocks_per_sm=1,
@@ -220,9 +224,14 @@ class Sm80Forward(KernelFamily):
     def render(self, plan: Sm80Plan) -> str:
         return codegen.render(FOLDER, "fwd.cu.j2", plan=plan, abi=plan.kernels[0].abi)
 
+    def workspace_bytes(self, plan: Sm80Plan, call: ForwardCall) -> int:
+        return mask_table.workspace_bytes(plan.mask_table, call, plan.block_m)
+
     def launches(self, plan: Sm80Plan, call: ForwardCall) -> list[Launch]:
         grid = (math.ceil(call.seq_q / plan.block_m), call.heads_q, call.batch)
-        return [Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, plan.kernels[0].abi.pack(call))]
+        params = plan.kernels[0].abi.pack(call)
+        return [*mask_table.launches(plan, call, params),
+                Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, params)]
 
     def estimate(self, plan, report, gpu, shape):
         from attngen.families.fwd_sm80.estimate import estimate

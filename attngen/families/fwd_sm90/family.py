@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from attngen import mask_table
 from attngen.codegen import render as codegen
 from attngen.codegen.abi import Abi, Param
 from attngen.dtypes import get_dtype
@@ -199,9 +200,12 @@ class Sm90Forward(KernelFamily):
         name = self.plan_name(problem, target, config, fault)
         threads = 128 * (config.consumers + 1)
         producer_regs, consumer_regs = REGISTERS[config.consumers]
+        table = mask_table.for_problem(problem)
+        abi = mask_table.with_table(with_inputs(ARGUMENTS, problem_inputs(problem), _the_call), table, _the_call,
+                                    config.block_m)
         return Sm90Plan(
             family=self.name, name=name, problem=problem, target=target, config=config,
-            kernels=(KernelPlan(name, threads, smem, with_inputs(ARGUMENTS, problem_inputs(problem), _the_call)),),
+            kernels=(KernelPlan(name, threads, smem, abi), *mask_table.kernels(name, table, abi)),
             block_m=config.block_m, block_n=config.block_n,
             fault=fault, consumers=config.consumers, num_stages=config.num_stages, q_buffers=q_buffers,
             overlap=config.overlap, pingpong=config.pingpong, persistent=config.persistent, threads=threads, smem_bytes=smem, producer_regs=producer_regs,
@@ -219,6 +223,9 @@ class Sm90Forward(KernelFamily):
                 return f"TMA cannot describe {t.name}: {reason}"
         return None
 
+    def workspace_bytes(self, plan: Sm90Plan, call: ForwardCall) -> int:
+        return mask_table.workspace_bytes(plan.mask_table, call, plan.block_m)
+
     def launches(self, plan: Sm90Plan, call: ForwardCall) -> list[Launch]:
         dtype = get_dtype(plan.dtype)
 
@@ -235,7 +242,9 @@ class Sm90Forward(KernelFamily):
             grid = (tiles if tiles <= sms else min(tiles // 2, sms), 1, 1)  # flash_fwd_sm90.cuh tile_index
         else:
             grid = (tiles, 1, 1)
-        return [Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, plan.kernels[0].abi.pack(args))]
+        params = plan.kernels[0].abi.pack(args)
+        return [*mask_table.launches(plan, call, params),
+                Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, params)]
 
     def estimate(self, plan, report, gpu, shape):
         from attngen.families.fwd_sm90.estimate import estimate

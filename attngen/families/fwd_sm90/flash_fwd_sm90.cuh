@@ -15,7 +15,7 @@
 // under the other's GEMMs; PINGPONG makes the consumer warpgroups take turns issuing GEMMs, so
 // one's softmax runs under the other's. Key blocks the mask makes empty are never loaded;
 // blocks it makes full are never masked per element.
-// Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_N,
+// Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
 // CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PERSISTENT, SET_MAX_REGS, PRODUCER_REGS,
 // CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
 // namespace score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2),
@@ -29,7 +29,7 @@ using Params = FwdSm90Params;
 #define NEG_INF (-__int_as_float(0x7f800000))
 constexpr int WG_THREADS = 128;
 constexpr int THREADS = (CONSUMERS + 1) * WG_THREADS;
-constexpr int BLOCK_M = 64 * CONSUMERS;          // query rows per CTA: 64 per consumer warpgroup
+static_assert(BLOCK_M == 64 * CONSUMERS, "query rows per CTA: 64 per consumer warpgroup");
 constexpr int CHUNKS = (HEAD_DIM + 63) / 64;     // 64-column (128-byte) chunks of a row: one TMA box each
 constexpr int Q_CHUNK = BLOCK_M * 128;           // bytes of one column chunk of the Q tile
 constexpr int KV_CHUNK = BLOCK_N * 128;

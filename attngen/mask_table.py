@@ -1,0 +1,147 @@
+"""Block tables for masks that read runtime inputs, built on the GPU at the start of every call.
+
+A mask such as `doc[b, q_idx] == doc[b, kv_idx] and causal` (packed documents) has no closed
+form, and a kernel scanning its key blocks could read `doc` only at single positions: every
+block would be "partial", nothing skipped, every element masked. So a forward plan whose mask
+reads int inputs (and has no closed form) runs two small kernels of its module first, on the
+same argument struct and stream (attngen/cuda/mask.cuh.j2):
+
+  summaries  for each such input, the min and max of every GRANULE consecutive elements along
+             its last dimension (the positions): rows x ceil(n / GRANULE) int pairs;
+  table      for each query block (per batch and head where the mask reads b or h): the bounds
+             the kernel's scan defines (first and last non-empty key block, the first run of full
+             ones), one warp per query block classifying 32 key blocks at a time, with an input's
+             range over a block read from the summaries (maskc classify with spans; the Python
+             model is MaskProgram.classify with granule=GRANULE).
+
+The attention kernel then reads 4 ints per tile. Both live in the call's workspace
+(workspace_bytes); nothing is built or copied on the host: the same inputs under CUDA graphs,
+any lengths, no recompilation.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from collections.abc import Callable
+
+from attngen.codegen.abi import Abi, Param
+from attngen.families.base import ForwardCall, KernelPlan, Launch
+
+GRANULE = 16  # divides every block size of both families, so tile edges fall on granule edges
+THREADS = 256
+ALIGN = 256  # bytes: each array of the workspace starts at a multiple
+
+
+@dataclass(frozen=True)
+class MaskTable:
+    """What a plan's table needs: the inputs it summarizes and the axes the mask depends on."""
+
+    inputs: tuple  # attngen/runtime_inputs.py Declared: the mask's int inputs with at least one index
+    by_batch: bool  # the mask reads b: a table per batch entry
+    by_head: bool  # the mask reads h: a table per query head
+
+    @property
+    def granule(self) -> int:
+        return GRANULE
+
+    @property
+    def threads(self) -> int:
+        return THREADS
+
+
+@functools.lru_cache(maxsize=1024)
+def for_problem(problem) -> MaskTable | None:
+    """The table a problem's forward kernels build, or None (a closed form, or no int input to summarize)."""
+    from attngen.families.base import problem_inputs
+    from attngen.maskc.ir import Var, walk
+    from attngen.masks import get_mask
+
+    lowering = get_mask(problem.mask)
+    if lowering.closed is not None:
+        return None
+    summarized = tuple(d for d in problem_inputs(problem) if d.kind == "mask" and d.arity >= 1)
+    if not summarized:
+        return None
+    read = {node.name for node in walk(lowering.program.ir) if isinstance(node, Var)}
+    return MaskTable(summarized, "b" in read, "h" in read)
+
+
+def span_ref(name: str, leading: list, lo: str, hi: str) -> str:
+    """The C++ that reads input `name`'s range over positions [lo, hi] (mask.cuh.j2 span_<name>)."""
+    return f"span_{name}(p, {', '.join([*leading, lo, hi])})"
+
+
+def _granules(n: int) -> int:
+    return -(-n // GRANULE)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def table_rows(table: MaskTable, call: ForwardCall) -> int:
+    return (call.batch if table.by_batch else 1) * (call.heads_q if table.by_head else 1)
+
+
+def layout(table: MaskTable, call: ForwardCall, block_m: int) -> tuple[dict[str, int], int, int]:
+    """(input name -> byte offset of its summaries, offset of the table, total bytes) in the workspace."""
+    offsets, offset = {}, 0
+    for d in table.inputs:
+        shape = call.input(d.name).shape
+        offsets[d.name] = offset
+        offset += _aligned(math.prod(shape[:-1]) * _granules(shape[-1]) * 8)
+    entries = table_rows(table, call) * math.ceil(call.seq_q / block_m)
+    return offsets, offset, offset + _aligned(entries * 16)
+
+
+def workspace_bytes(table: MaskTable | None, call: ForwardCall, block_m: int) -> int:
+    return 0 if table is None else layout(table, call, block_m)[2]
+
+
+@functools.lru_cache(maxsize=256)
+def with_table(abi: Abi, table: MaskTable | None, call_of: Callable, block_m: int) -> Abi:
+    """`abi` with what the two kernels and the table read appended: each summarized input's sizes and
+    summaries, the table and its number of rows (batch x heads it is kept for)."""
+    if table is None:
+        return abi
+
+    def at(name: str | None):
+        def address(a):
+            call = call_of(a)
+            offsets, table_offset, _ = layout(table, call, block_m)
+            return call.workspace + (table_offset if name is None else offsets[name])
+        return address
+
+    params = list(abi.params)
+    for d in table.inputs:
+        params += [Param(f"in_{d.name}_n{i}", "i64", "i64", lambda a, n=d.name, i=i: call_of(a).input(n).shape[i])
+                   for i in range(d.arity)]
+        params.append(Param(f"sum_{d.name}", "int*", "ptr", at(d.name),
+                            f"min and max of {d.name} per {GRANULE} positions (workspace)"))
+    params.append(Param("mask_table", "int*", "ptr", at(None), "bounds per query block (workspace)"))
+    params.append(Param("mask_rows", "int", "i32", lambda a: table_rows(table, call_of(a)),
+                        "(batch x heads) entries the table is kept for"))
+    return Abi(abi.struct_name, params)
+
+
+def kernels(name: str, table: MaskTable | None, abi: Abi) -> tuple[KernelPlan, ...]:
+    """The module's kernels that build the table (mask.cuh.j2), after the attention kernel."""
+    if table is None:
+        return ()
+    return (KernelPlan(f"{name}_mask_summaries", THREADS, 0, abi), KernelPlan(f"{name}_mask_table", THREADS, 0, abi))
+
+
+def launches(plan, call: ForwardCall, params: bytes) -> list[Launch]:
+    """The two launches that precede the attention kernel; [] without a table."""
+    table = plan.mask_table
+    sms = plan.target.sms or 132  # a grid-stride loop: enough blocks to fill an H100 where the target is not a device
+    if table is None:
+        return []
+    items = max(math.prod(call.input(d.name).shape[:-1]) * _granules(call.input(d.name).shape[-1])
+                for d in table.inputs)
+    warps = table_rows(table, call) * math.ceil(call.seq_q / plan.block_m)
+    summaries, table_kernel = plan.kernels[1:3]
+    return [Launch(summaries.symbol, (max(1, min(-(-items // THREADS), 8 * sms)), 1, 1), (THREADS, 1, 1), 0, params),
+            Launch(table_kernel.symbol, (max(1, -(-warps * 32 // THREADS)), 1, 1), (THREADS, 1, 1), 0, params)]
