@@ -8,10 +8,11 @@ combination with and/or/not. Its lowering holds:
   visible          the element predicate, C++ over q_idx, kv_idx, q_len, kv_len, b, h; evaluated
                    only in key blocks that need it
   classify         C++ interval arithmetic: is a (query rows x keys) rectangle empty (0), partly
-                   visible (1) or full (2)? A CTA scans its key blocks with it once, so empty
-                   blocks are never loaded and full ones never masked per element
-  classify_spans   the same, reading an input's range over a block from per-call summaries: the
-                   block table of a mask that reads int inputs (attngen/mask_table.py)
+                   visible (1) or full (2)? Inputs are read only at exact positions
+  classify_spans   the same, reading an input's range over a block from per-call summaries: what
+                   the block table kernel runs for a mask without a closed form, once per (query
+                   block, key block) each call, so empty blocks are never loaded and full ones
+                   never masked per element (attngen/mask_table.py)
   closed           for `none`, `causal`, `sliding_window(l, r)` and `chunked(n)` alone: the same
                    bounds in closed form over the query rows [m0, m1) (no scan); tests hold them
                    to the generic scan

@@ -212,7 +212,7 @@ __device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch,
     return (kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len))))));
 }
 
-// Closed forms of the bounds (attngen/masks.py; tests hold them to the generic scan).
+// Closed forms of the bounds (attngen/masks.py; tests hold them to the scan of masks.scan_bounds).
 template <class P>
 __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P&) {
     return {0, min(Sk, max(0, m1 + (Sk - Sq))), 0, min(Sk, max(0, m0 + 1 + (Sk - Sq)))};

@@ -212,7 +212,7 @@ __device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch,
     return true;
 }
 
-// Closed forms of the bounds (attngen/masks.py; tests hold them to the generic scan).
+// Closed forms of the bounds (attngen/masks.py; tests hold them to the scan of masks.scan_bounds).
 template <class P>
 __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P&) {
     return {0, Sk, 0, Sk};

@@ -280,7 +280,7 @@ __device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch,
     return ((kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len)))))) && (((int)(maskc_floordiv(((q_idx + kv_len) - q_len), 8192LL))) == maskc_floordiv32(((int)kv_idx), 8192)));
 }
 
-// Closed forms of the bounds (attngen/masks.py; tests hold them to the generic scan).
+// Closed forms of the bounds (attngen/masks.py; tests hold them to the scan of masks.scan_bounds).
 template <class P>
 __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P&) {
     return {max(0, (int)maskc_max(0LL, maskc_min((long long)Sk, maskc_floordiv((long long)m0 + ((long long)Sk - Sq), 8192LL) * 8192LL))), min(min(Sk, max(0, m1 + (Sk - Sq))), (int)maskc_max(0LL, maskc_min((long long)Sk, (maskc_floordiv((long long)m1 - 1 + ((long long)Sk - Sq), 8192LL) + 1) * 8192LL))), max(0, (int)maskc_max(0LL, maskc_min((long long)Sk, maskc_floordiv((long long)m0 + ((long long)Sk - Sq), 8192LL) * 8192LL))), min(min(Sk, max(0, m0 + 1 + (Sk - Sq))), (int)maskc_max(0LL, maskc_min((long long)Sk, (maskc_floordiv((long long)m0 + ((long long)Sk - Sq), 8192LL) == maskc_floordiv((long long)m1 - 1 + ((long long)Sk - Sq), 8192LL) ? maskc_floordiv((long long)m0 + ((long long)Sk - Sq), 8192LL) + 1 : maskc_floordiv((long long)m0 + ((long long)Sk - Sq), 8192LL)) * 8192LL)))};

@@ -301,8 +301,8 @@ __device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch,
 }
 
 
-// The mask reads runtime inputs: two kernels of this module ran first this call (below), so the
-// bounds of each query block are in p.mask_table (attngen/mask_table.py).
+// No closed form: kernels of this module ran first this call (below), so the bounds of each query
+// block are in p.mask_table (attngen/mask_table.py).
 constexpr int GRANULE = 16;  // positions per summary of an input
 
 template <class P>

@@ -284,7 +284,7 @@ __device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch,
     return ((((q_idx + ((long long)((((int)kv_len) - ((int)q_len))))) - 127LL) <= kv_idx) && (kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len)))))));
 }
 
-// Closed forms of the bounds (attngen/masks.py; tests hold them to the generic scan).
+// Closed forms of the bounds (attngen/masks.py; tests hold them to the scan of masks.scan_bounds).
 template <class P>
 __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P&) {
     return {(int)maskc_max(0LL, maskc_min((long long)Sk, (long long)m0 + ((long long)Sk - Sq) - 127LL)), (int)maskc_max(0LL, maskc_min((long long)Sk, (long long)m1 + ((long long)Sk - Sq) + 0LL)), (int)maskc_max(0LL, maskc_min((long long)Sk, (long long)m1 - 1 + ((long long)Sk - Sq) - 127LL)), (int)maskc_max(0LL, maskc_min((long long)Sk, (long long)m0 + 1 + ((long long)Sk - Sq) + 0LL))};

@@ -30,15 +30,15 @@ def _call(B, S, H, D, inputs) -> ForwardCall:
 
 
 @pytest.mark.parametrize("mask, expected", [
-    ("causal", None), ("sliding_window(64, 0)", None), ("kv_idx % 3 != 1", None),  # closed forms or no inputs
-    ("kv_idx < lim", None),  # a scalar input is read exactly by the kernel's own scan
+    ("causal", None), ("sliding_window(64, 0)", None), ("causal and chunked(64)", None),  # closed forms
+    ("kv_idx % 3 != 1", ()), ("kv_idx < lim", ()),  # a table, nothing to summarize (a scalar is read exactly)
     (DOCS, (("doc", 2),)), ("doc[b, q_idx] == doc[b, kv_idx] and h < 4", (("doc", 2),)),
 ])
-def test_plans_build_a_table_when_the_mask_reads_int_inputs_by_position(mask, expected):
+def test_plans_build_a_table_for_masks_without_a_closed_form(mask, expected):
     table = mask_table.for_problem(AttentionSpec(head_dim=64, mask=mask).problem)
     assert (None if table is None else tuple((d.name, d.arity) for d in table.inputs)) == expected
     if table is not None:
-        assert table.by_batch and table.by_head == ("h <" in mask)
+        assert table.by_batch == ("b," in mask) and table.by_head == ("h <" in mask)
 
 
 @pytest.fixture(autouse=True)
@@ -70,6 +70,15 @@ def test_the_table_kernels_run_first_in_one_workspace(family, arch):
     read = {name: int.from_bytes(params[abi.offsets[name]:abi.offsets[name] + 8], "little")
             for name in ("sum_doc", "mask_table")}
     assert read == {"sum_doc": (1 << 20) + offsets["doc"], "mask_table": (1 << 20) + table_at}
+
+
+def test_a_mask_without_inputs_builds_its_table_alone():
+    spec = AttentionSpec(head_dim=64, mask="kv_idx <= q_idx", family="fwd_sm80")
+    plan = families.plan_spec(spec, targets.target("sm_80"))
+    call = _call(1, 1000, 2, 64, {})
+    launches = families.get_family("fwd_sm80").launches(plan, call)
+    assert [launch.kernel for launch in launches] == [f"{plan.name}_mask_table", plan.name]
+    assert mask_table.layout(plan.mask_table, call, plan.block_m)[2] == 256  # one table for every batch and head
 
 
 def test_without_a_table_there_is_no_workspace():
