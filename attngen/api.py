@@ -265,31 +265,56 @@ def register():
 class _RegisterWhenTorchLoads(importlib.abc.MetaPathFinder):
     """Registers the op as soon as `import torch` finishes, when attngen was imported first (as
     sorted imports do). Registering later, on the first call, would happen inside dynamo's trace
-    when that call is compiled: custom_op is not traceable, so fullgraph=True would fail."""
+    when that call is compiled: custom_op is not traceable, so fullgraph=True would fail.
+    It stays on sys.meta_path until torch has actually run (a `find_spec("torch")` probe, as
+    libraries make to see whether torch is installed, uses nothing up), and leaves torch's own
+    loader untouched: the spec it returns carries a proxy of it."""
+
+    registers_attngen_op = True  # recognised across reloads of this module
+
+    def __init__(self):
+        self._looking = False
 
     def find_spec(self, name, path=None, target=None):
-        if name != "torch":
+        if name != "torch" or self._looking:
             return None
-        sys.meta_path.remove(self)  # once, and so that the lookup below finds torch's own spec
-        spec = importlib.util.find_spec(name)
-        loader = getattr(spec, "loader", None)
-        if loader is not None and hasattr(loader, "exec_module"):
-            run_torch = loader.exec_module
-
-            def exec_module(module):
-                try:
-                    run_torch(module)
-                finally:
-                    del loader.exec_module  # the loader as it was
-                try:
-                    register()
-                except Exception:  # noqa: BLE001, S110 - an unusable torch must not break `import torch`;
-                    pass  # the first call registers again and raises there, naming the problem
-            loader.exec_module = exec_module
+        self._looking = True  # the lookup below asks every finder, this one included
+        try:
+            spec = importlib.util.find_spec(name)
+        except Exception:  # noqa: BLE001 - let the import itself fail as it would without attngen
+            return None
+        finally:
+            self._looking = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _RegisteringLoader(spec.loader, self)
         return spec
+
+
+class _RegisteringLoader:
+    """torch's loader, which registers the op once torch's module has run."""
+
+    def __init__(self, inner, finder: _RegisterWhenTorchLoads):
+        self._inner = inner
+        self._finder = finder
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        if self._finder in sys.meta_path:
+            sys.meta_path.remove(self._finder)
+        try:
+            register()
+        except Exception:  # noqa: BLE001, S110 - an unusable torch must not break `import torch`;
+            pass  # the first call registers again and raises there, naming the problem
+
+    def __getattr__(self, name):  # get_resource_reader, get_source, is_package, ...
+        return getattr(self._inner, name)
 
 
 if "torch" in sys.modules:
     register()
-elif not any(isinstance(finder, _RegisterWhenTorchLoads) for finder in sys.meta_path):
+elif not any(getattr(finder, "registers_attngen_op", False) for finder in sys.meta_path):
     sys.meta_path.insert(0, _RegisterWhenTorchLoads())

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from attngen.codegen.abi import Abi, Param
 from attngen.families.base import ForwardCall, KernelPlan, Launch
@@ -50,6 +50,12 @@ class MaskTable:
     @property
     def threads(self) -> int:
         return THREADS
+
+    @property
+    def max_span_granules(self) -> int:
+        from attngen.maskc.interval import MAX_SPAN_GRANULES
+
+        return MAX_SPAN_GRANULES
 
 
 @functools.lru_cache(maxsize=1024)

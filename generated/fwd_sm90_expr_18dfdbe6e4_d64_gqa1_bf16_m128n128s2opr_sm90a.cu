@@ -296,6 +296,7 @@ __device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch,
 // No closed form: kernels of this module ran first this call (below), so the bounds of each query
 // block are in p.mask_table (attngen/mask_table.py).
 constexpr int GRANULE = 16;  // positions per summary of an input
+constexpr long long MAX_SPAN_GRANULES = 64;
 
 template <class P>
 __device__ __forceinline__ long long table_row(int batch, int head, const P& p) {
@@ -311,11 +312,15 @@ __device__ __forceinline__ Bounds bounds(int m0, int, int Sq, int, int batch, in
 }
 
 // prefix's values over positions [lo, hi] of its last index (the leading ones exact): the
-// element itself at one position, else the min and max of the granules the range touches.
+// element itself at one position, else the min and max of the granules the range touches
+// (unknown past MAX_SPAN_GRANULES of them: interval.py's granule_span). The leading indices are
+// values at real points of the block, inside the tensor: runtime_inputs.check bounded every
+// index over the call before launch.
 template <class P>
 __device__ __forceinline__ maskc_span span_prefix(const P& p, long long lo, long long hi) {
     const long long n = p.in_prefix_n0;
-    if (lo < 0 || hi >= n || lo > hi) return maskc_span{0LL, 0LL, false};
+    if (lo < 0 || hi >= n || lo > hi || hi / GRANULE - lo / GRANULE >= MAX_SPAN_GRANULES)
+        return maskc_span{0LL, 0LL, false};
     if (lo == hi) {
         const long long v = p.in_prefix[lo * p.in_prefix_s0];
         return maskc_span{v, v, true};

@@ -139,9 +139,12 @@ def test_importing_attngen_needs_neither_torch_nor_cupy():
 
 def test_torch_imported_after_attngen_compiles_fullgraph_on_the_first_call():
     """Sorted imports put attngen before torch: the op must exist before the first call is traced
-    (registering inside dynamo's trace is a graph break, an error under fullgraph=True)."""
+    (registering inside dynamo's trace is a graph break, an error under fullgraph=True). A probe
+    for torch in between, as libraries make to see whether it is installed, changes nothing."""
     code = """
+import importlib.util
 import attngen
+assert importlib.util.find_spec("torch") is not None
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -679,6 +679,10 @@ def test_with_a_granule_inputs_are_read_over_ranges_of_their_last_index():
     assert docs.classify(0, 7, 8, 15, 20, 20, b=0, inputs=rows, granule=16) == "partial"
     assert docs.classify(0, 7, 8, 15, 20, 20, b=0, inputs=rows) == "partial"  # no granule: not exact, unknown
     assert docs.classify(0, 7, 8, 15, 20, 20, b=0, inputs={"doc": doc[:, :12]}, granule=4) == "partial"
+    # more than MAX_SPAN_GRANULES granules (here 64 of 16 positions) are left unknown, as the kernels do
+    same = {"doc": torch.zeros(1, 2048, dtype=torch.int32)}
+    assert docs.classify(0, 64 * 16 - 1, 0, 0, 2048, 2048, inputs=same, granule=16) == "full"
+    assert docs.classify(0, 64 * 16, 0, 0, 2048, 2048, inputs=same, granule=16) == "partial"
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -211,9 +211,17 @@ def _input_range(node: Input, box: Box) -> Range | None:
     return None if number is None else Range(number, number)
 
 
+# A range over more granules than this is left unknown: reading it would cost more than the
+# block's work (an index such as q_idx * 64); the kernels' span helpers stop at the same count.
+MAX_SPAN_GRANULES = 64
+
+
 def granule_span(value, prefix: list, lo: int, hi: int, granule: int) -> Range | None:
     """The min and max of value[prefix][j] over the granules of `granule` elements that [lo, hi]
-    touches (a superset of [lo, hi], so sound); None where [lo, hi] leaves the tensor."""
+    touches (a superset of [lo, hi], so sound); None where [lo, hi] leaves the tensor or touches
+    more than MAX_SPAN_GRANULES granules."""
+    if hi // granule - lo // granule >= MAX_SPAN_GRANULES:
+        return None
     numbers = []
     for j in range(lo // granule * granule, (hi // granule + 1) * granule):
         number = _read(value, [*prefix, j])

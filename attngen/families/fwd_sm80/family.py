@@ -23,9 +23,16 @@ from attngen import mask_table
 from attngen.codegen import render as codegen
 from attngen.codegen.abi import Abi, Param
 from attngen.errors import SpecError
+from attngen.families.base import (
+    Config,
+    ForwardCall,
+    ForwardPlan,
+    KernelFamily,
+    KernelPlan,
+    Launch,
+    problem_inputs,
+)
 from attngen.faults import check_fault
-from attngen.families.base import (Config, ForwardCall, ForwardPlan, KernelFamily, KernelPlan, Launch,
-                                  problem_inputs)
 from attngen.masks import get_mask, mask_problem
 from attngen.runtime_inputs import with_inputs
 from attngen.spec import HEAD_DIMS, Problem

@@ -26,10 +26,17 @@ from attngen.codegen import render as codegen
 from attngen.codegen.abi import Abi, Param
 from attngen.dtypes import get_dtype
 from attngen.errors import SpecError
-from attngen.faults import check_fault
-from attngen.families.base import (Config, ForwardCall, ForwardPlan, KernelFamily, KernelPlan, Launch,
-                                  problem_inputs)
+from attngen.families.base import (
+    Config,
+    ForwardCall,
+    ForwardPlan,
+    KernelFamily,
+    KernelPlan,
+    Launch,
+    problem_inputs,
+)
 from attngen.families.fwd_sm90 import tma
+from attngen.faults import check_fault
 from attngen.masks import get_mask, mask_problem
 from attngen.runtime_inputs import with_inputs
 from attngen.spec import Problem
