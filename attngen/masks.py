@@ -8,11 +8,11 @@ combination with and/or/not. Its lowering holds:
   visible          the element predicate, C++ over q_idx, kv_idx, q_len, kv_len, b, h; evaluated
                    only in key blocks that need it
   classify         C++ interval arithmetic: is a (query rows x keys) rectangle empty (0), partly
-                   visible (1) or full (2)? Inputs are read only at exact positions
-  classify_spans   the same, reading an input's range over a block from per-call summaries: what
-                   the block table kernel runs for a mask without a closed form, once per (query
-                   block, key block) each call, so empty blocks are never loaded and full ones
-                   never masked per element (attngen/mask_table.py)
+                   visible (1) or full (2)? An input is read exactly where its index is exact,
+                   else over the block's range from per-call summaries (span_<name>). The block
+                   table kernel runs it for a mask without a closed form, once per (query block,
+                   key block) each call, so empty blocks are never loaded and full ones never
+                   masked per element (attngen/mask_table.py)
   closed           for `none`, `causal`, `sliding_window(l, r)` and `chunked(n)` alone: the same
                    bounds in closed form over the query rows [m0, m1) (no scan); tests hold them
                    to the generic scan
@@ -137,8 +137,7 @@ class MaskLowering:
     text: str  # the canonical expression: what a spec stores
     slug: str  # for kernel names: the built-in and its parameters, or expr_<hash>
     visible: str
-    classify: str
-    classify_spans: str  # the same, reading input ranges through span_<name> (attngen/mask_table.py)
+    classify: str  # reads input ranges through span_<name> (attngen/mask_table.py)
     preamble: str
     closed: ClosedForm | None  # bounds in closed form (no scan), for the built-ins that have one
     program: Any  # the compiled attngen.maskc program
@@ -166,8 +165,9 @@ _CLASS = {"empty": 0, "partial": 1, "full": 2}
 
 
 def scan_bounds(classify: Callable[[int, int], str], Sk: int, block_n: int) -> tuple[int, int, int, int]:
-    """mask.cuh.j2's bounds(): one pass over the key blocks [n0, n1); the first and last not empty,
-    and the first run of full ones."""
+    """The bounds a block table entry holds (mask.cuh.j2 build_table, which classifies 32 blocks per
+    step): one pass over the key blocks [n0, n1); the first and last not empty, and the first run
+    of full ones."""
     kv_begin = kv_end = full_begin = full_end = 0
     seen = in_run = run_over = False
     for n0 in range(0, Sk, block_n):
@@ -207,7 +207,7 @@ def _lower(text: str) -> MaskLowering:
         raise ValueError(f"mask={text!r} is invalid: {exc}; allowed: {ALLOWED}") from None
     closed = closed_form(canonical, parse(canonical, "mask").builtin)
     # Runtime inputs are read from the kernel's argument struct p (attngen/runtime_inputs.py).
-    return MaskLowering(canonical, program.slug, program.cuda_visible(input_ref), program.cuda_classify(input_ref),
+    return MaskLowering(canonical, program.slug, program.cuda_visible(input_ref),
                         program.cuda_classify(input_ref, span_ref), maskc.cuda_preamble(), closed, program)
 
 

@@ -336,9 +336,10 @@ __device__ __forceinline__ maskc_span span_prefix(const P& p, long long lo, long
     return maskc_span{v_lo, v_hi, true};
 }
 
-// classify() with input ranges from the summaries: 0 empty, 1 partial, 2 full (interval arithmetic).
+// 0: no element of the rectangle is visible, 2: every element is, 1: some may be (interval
+// arithmetic, sound); input ranges over a block come from the summaries.
 template <class P>
-__device__ __forceinline__ int classify_spans(long long q_lo, long long q_hi, long long kv_lo, long long kv_hi,
+__device__ __forceinline__ int classify(long long q_lo, long long q_hi, long long kv_lo, long long kv_hi,
                                               long long q_len, long long kv_len, long long b, long long h,
                                               const P& p) {
     const maskc_span maskc_t0 = (true) ? span_prefix(p, b, b) : maskc_span{0LL, 0LL, false};
@@ -410,7 +411,7 @@ __device__ void build_table(const P& p) {
         int c = 0;
         if (i < n_blocks) {
             const int n0 = i * cfg::BLOCK_N, n1 = min(n0 + cfg::BLOCK_N, p.Sk);
-            c = classify_spans(m0, m1 - 1, n0, n1 - 1, p.Sq, p.Sk, batch, head, p);
+            c = classify(m0, m1 - 1, n0, n1 - 1, p.Sq, p.Sk, batch, head, p);
         }
         const unsigned nonempty = __ballot_sync(0xffffffffu, c != 0), full = __ballot_sync(0xffffffffu, c == 2);
         if (nonempty != 0) {
