@@ -17,7 +17,7 @@ from attngen.fuzz.case import FuzzCase
 from attngen.fuzz.reproducer import load_reproducer, replay, reproducer_dir, write_reproducer
 from attngen.fuzz.runners import ReferenceRunner
 from attngen.fuzz.search import search
-from attngen.fuzz.strategies import DEFAULT_LIMITS
+from attngen.fuzz.strategies import DEFAULT_LIMITS, first_cases
 from attngen.masks import get_mask
 from attngen.spec import AttentionSpec
 
@@ -80,6 +80,15 @@ def test_correct_runner_passes_every_case_and_stats_add_up():
     assert outcome.throughput > 0
 
 
+def test_every_spec_runs_in_a_search_with_as_many_cases_as_specs():
+    specs = [AttentionSpec(head_dim=d, dtype=dtype, mask=mask, family="fwd_sm80")
+             for d in (64, 128) for dtype in ("fp16", "bf16") for mask in ("none", "causal")]
+    runner = ReferenceRunner()
+    outcome = search(specs, runner, examples=len(specs), seed=0, limits=LIMITS)
+    assert outcome.failure is None and outcome.cases == len(specs)
+    assert set(outcome.kernels) == {runner.kernel_name(spec) for spec in specs}
+
+
 def test_a_run_is_a_function_of_its_seed():
     def cases(seed):
         seen = []
@@ -98,6 +107,9 @@ def test_dropped_partial_key_tile_is_found_and_shrunk_to_the_minimal_case(tmp_pa
     block_n = plan_spec(SPECS[0], runner.target).block_n
     assert outcome.failure.case == FuzzCase(SPECS[0], batch=1, seq_q=1, seq_k=block_n + 1, heads_kv=1)
     assert outcome.cases < 300 and outcome.shrink_steps > 0
+    # Found by the explicit first case of the spec (Sk = block_n + 1), which hypothesis does not
+    # shrink: the search of that spec alone found and shrank it.
+    assert outcome.first_failure.case == first_cases(SPECS, LIMITS, runner.target)[0]
 
     # The reproducer replays the same failure with the broken runner and passes with a correct one.
     failure = outcome.failure

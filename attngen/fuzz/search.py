@@ -1,7 +1,8 @@
 """The search: hypothesis draws cases, `run_case` runs each; a failure is shrunk to a minimal case.
 
 One hypothesis run, seeded with --seed and with no example database, so a run is a function of
-its seed. The first case drawn after the time budget is spent ends the run, so a run ends
+its seed. Its first cases are explicit ones, one per spec (strategies.first_cases), so every kernel
+of the pool runs even in a short search; the rest are drawn. The first case drawn after the time budget is spent ends the run, so a run ends
 within about one case of its budget; a failure found in time is always shrunk.
 
 A sticky CUDA error (an illegal address, say) makes every later CUDA call in the process fail,
@@ -19,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import HealthCheck, Phase, Verbosity, example, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import Flaky
 
@@ -27,7 +28,7 @@ from attngen.fuzz.case import FuzzCase
 from attngen.fuzz.check import FAILURE_KINDS, HARNESS, CaseResult, run_case
 from attngen.fuzz.runners import Runner
 from attngen.fuzz.sanitizer import sample_key
-from attngen.fuzz.strategies import DEFAULT_LIMITS, Limits, fuzz_cases
+from attngen.fuzz.strategies import DEFAULT_LIMITS, Limits, first_cases, fuzz_cases
 from attngen.spec import AttentionSpec
 from attngen.targets import Target
 
@@ -110,6 +111,7 @@ def search(specs, runner: Runner, *, examples: int, seed: int, time_budget: floa
     if time_budget is not None and not time_budget > 0:
         raise ValueError(f"time_budget={time_budget!r} is invalid; allowed: seconds > 0, or None for no limit")
     strategy = fuzz_cases(specs, limits, runner.target)
+    firsts = first_cases(specs, limits, runner.target)[:examples]
     outcome = SearchOutcome(seed=seed, examples=examples)
     start = time.monotonic()
 
@@ -117,7 +119,12 @@ def search(specs, runner: Runner, *, examples: int, seed: int, time_budget: floa
         return time_budget is not None and time.monotonic() - start >= time_budget
 
     try:
-        _run(strategy, runner, outcome, budget_spent, on_case)
+        _run(strategy, firsts, outcome.examples - len(firsts), runner, outcome, budget_spent, on_case)
+        if outcome.failure is not None and outcome.failure.case in firsts and outcome.device_error is None:
+            # A first case failed, and hypothesis does not shrink explicit cases: search its spec
+            # alone, where a failure is drawn again and shrunk (or the first case stands).
+            _refocus(fuzz_cases([outcome.failure.case.spec], limits, runner.target), runner, outcome,
+                     budget_spent, on_case)
     except KeyboardInterrupt:
         outcome.stopped = "interrupted"
     except _BudgetSpent:
@@ -131,7 +138,22 @@ def search(specs, runner: Runner, *, examples: int, seed: int, time_budget: floa
     return outcome
 
 
-def _run(strategy, runner, outcome: SearchOutcome, budget_spent: Callable[[], bool], on_case: OnCase | None) -> None:
+FOCUSED_EXAMPLES = 200  # drawn cases a search of one failing spec may take to fail again
+
+
+def _refocus(strategy, runner, outcome: SearchOutcome, budget_spent, on_case) -> None:
+    first = outcome.failure
+    outcome.failure = outcome.first_failure = None
+    try:
+        _run(strategy, [], FOCUSED_EXAMPLES, runner, outcome, budget_spent, on_case)
+    finally:  # also when the budget, a harness error or an interrupt ends the focused search
+        if outcome.device_error is None and (outcome.failure is None or outcome.failure.kind != first.kind):
+            outcome.failure, outcome.shrunk, outcome.flaky = first, False, False
+        outcome.first_failure = first
+
+
+def _run(strategy, firsts: list[FuzzCase], drawn: int, runner, outcome: SearchOutcome,
+         budget_spent: Callable[[], bool], on_case: OnCase | None) -> None:
     def one_case(case: FuzzCase) -> None:
         if outcome.device_error is not None:
             raise _FAILURE_TYPES["device"](outcome.device_error)  # the GPU is unusable: run nothing more
@@ -160,20 +182,24 @@ def _run(strategy, runner, outcome: SearchOutcome, budget_spent: Callable[[], bo
             outcome.failure = result  # the latest failing case; hypothesis' final replay is the minimal one
             raise _FAILURE_TYPES[result.kind](result)
 
+    case_test = given(strategy)(one_case)
+    for case in reversed(firsts):  # decorators apply bottom-up: hypothesis runs them in list order
+        case_test = example(case)(case_test)
     test = hypothesis_seed(outcome.seed)(settings(
-        max_examples=outcome.examples,
+        max_examples=max(drawn, 1),
         database=None,  # a run is a function of its seed, not of earlier runs
         deadline=None,  # cases differ in size by orders of magnitude
         suppress_health_check=[HealthCheck.too_slow],
-        phases=[Phase.generate, Phase.shrink],
+        phases=[Phase.explicit, *([Phase.generate] if drawn else []), Phase.shrink],
         report_multiple_bugs=False,
         verbosity=Verbosity.quiet,
         print_blob=False,
-    )(given(strategy)(one_case)))
+    )(case_test))
     try:
         test()
     except CaseFailed as exc:
-        outcome.failure, outcome.shrunk = exc.result, True
+        # Shrunk unless it is one of the explicit first cases, which hypothesis runs as they are.
+        outcome.failure, outcome.shrunk = exc.result, exc.result.case not in firsts
     except Flaky:
         # The minimal case passed when hypothesis ran it again: report the last failing case seen.
         outcome.flaky = True

@@ -82,6 +82,19 @@ def fuzz_cases(specs, limits: Limits = DEFAULT_LIMITS, target: Target | None = N
     return _cases(specs, limits, target)
 
 
+def first_cases(specs, limits: Limits = DEFAULT_LIMITS, target: Target | None = None) -> list[FuzzCase]:
+    """One case per spec, run before hypothesis draws any, so every kernel of the pool runs however
+    few cases a search has (drawn uniformly, a spec of a large pool can go unpicked for hundreds):
+    two query and two key tiles, each second one partial, GQA over two kv heads, the padded layout."""
+    target = target or targets.target(targets.DEFAULT_ARCH)
+    cases = []
+    for spec in specs:
+        plan = families.plan_spec(spec, target)
+        seq_q, seq_k = (min(block + 1, limits.max_seq) for block in (plan.block_m, plan.block_n))
+        cases.append(FuzzCase(spec, batch=1, seq_q=seq_q, seq_k=seq_k, heads_kv=2, layout="padded"))
+    return cases
+
+
 @st.composite
 def _cases(draw, specs, limits, target):
     spec = draw(st.sampled_from(specs))
