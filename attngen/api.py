@@ -258,6 +258,9 @@ def register():
         return _forward_impl(q, k, v, spec_key, softmax_scale, input_names, inputs)
 
     forward.register_fake(_forward_fake)
+    from attngen.decoding import register_op
+
+    register_op(torch)
     _OP = torch.ops.attngen.forward
     return _OP
 

@@ -301,7 +301,9 @@ def tune(specs: tuple[Path, ...], seqlens: tuple[int, ...], batch_heads: tuple[i
 @click.option("--quick", is_flag=True, help="A short run: fewer shapes and repetitions.")
 @click.option("--masks", is_flag=True, help="The mask compiler's cases instead (attngen/bench_masks.py): an "
               "expression vs the built-in causal, a 4096-key window and packed documents vs FlexAttention.")
-def bench(out_dir: Path, quick: bool, masks: bool) -> None:
+@click.option("--decode", is_flag=True, help="Decoding over a KV cache instead (attngen/bench_decode.py): one "
+              "token per sequence against SDPA flash and cuDNN, contiguous and paged, and a CUDA-graph step.")
+def bench(out_dir: Path, quick: bool, masks: bool, decode: bool) -> None:
     """Benchmark the kernels against torch SDPA and FlexAttention (needs a CUDA GPU)."""
     try:
         # All imported up front, so a missing one fails now rather than after minutes of timing.
@@ -317,6 +319,12 @@ def bench(out_dir: Path, quick: bool, masks: bool) -> None:
     if not torch.cuda.is_available():
         click.echo("error: attngen bench needs a CUDA GPU; torch.cuda.is_available() is False", err=True)
         raise SystemExit(2)
+    if decode:
+        from attngen.bench_decode import run_decode_bench
+
+        run_decode_bench(out_dir)
+        click.echo(f"decode benchmark written to {out_dir}")
+        return
     if masks:
         from attngen.bench_masks import run_mask_bench
 

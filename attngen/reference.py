@@ -34,10 +34,13 @@ def attention(
     score_mod: str | None = None,
     inputs: dict | None = None,
     sink: str | None = None,
+    batch_offset: int = 0,
 ):
     """softmax(score_mod(scale * q k^T) + mask) v; returns out, or (out, lse) when return_lse.
     `inputs`: the runtime inputs the expressions read, by name (docs/masks.md); `sink`: a logit
-    per row that joins the softmax's denominator only (so a row's weights sum to less than 1)."""
+    per row that joins the softmax's denominator only (so a row's weights sum to less than 1);
+    `batch_offset`: the batch index the expressions see for q[0] (decode_attention runs one
+    sequence at a time)."""
     ratio = _check_inputs(q, k, v, gqa_ratio, compute_dtype)
     lowering = get_mask(mask)  # raises ValueError naming mask= and what is allowed
     modifier = None if score_mod is None else get_score_mod(score_mod)
@@ -54,7 +57,7 @@ def attention(
     # The mask over (batch, kv head, query head in group, row, key): query head h = g * ratio + r.
     q_idx = torch.arange(Sq, device=q.device)[:, None]
     kv_idx = torch.arange(Sk, device=q.device)[None, :]
-    b = torch.arange(B, device=q.device)[:, None, None, None, None]
+    b = torch.arange(batch_offset, batch_offset + B, device=q.device)[:, None, None, None, None]
     h = torch.arange(Hq, device=q.device).reshape(1, Hkv, ratio, 1, 1)
     if modifier is not None:
         scores = modifier.dense(scores, q_idx, kv_idx, Sq, Sk, b=b, h=h, inputs=inputs)
@@ -99,6 +102,37 @@ def attention_for_spec(
         return_lse=return_lse, compute_dtype=compute_dtype, score_mod=problem.score_mod, inputs=inputs,
         sink=problem.sink,
     )
+
+
+def gather_cache(cache: torch.Tensor, page_table: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
+    """(1, length, Hkv, D): the first `length` cached tokens of sequence `batch`, from a paged cache
+    (num_pages, page_size, Hkv, D) through its page table row, or from a contiguous one."""
+    if page_table is None:
+        return cache[batch:batch + 1, :length]
+    page_size = cache.shape[1]
+    pages = page_table[batch, :math.ceil(length / page_size)].long()
+    return cache[pages].reshape(1, -1, *cache.shape[2:])[:, :length]
+
+
+def decode_attention(q, k_cache, v_cache, cache_seqlens, spec, *, page_table=None, softmax_scale=None,
+                     inputs=None, compute_dtype=torch.float64):
+    """(out, lse) of attngen.decode: each sequence's new tokens q[b] (seq_q of them) attend to the
+    first cache_seqlens[b] tokens of its cache with the spec's mask, modifier and sink, q_len =
+    seq_q and kv_len = cache_seqlens[b] (so causal is bottom-right aligned). A sequence with an
+    empty cache gives out 0 and lse -inf (or its sink)."""
+    problem = getattr(spec, "problem", spec)
+    B, Sq, Hq, D = q.shape
+    outs, lses = [], []
+    for b in range(B):
+        length = int(cache_seqlens[b])
+        k = gather_cache(k_cache, page_table, b, length)
+        v = gather_cache(v_cache, page_table, b, length)
+        out, lse = attention(q[b:b + 1], k, v, mask=problem.mask, softmax_scale=softmax_scale or problem.scale,
+                             gqa_ratio=problem.gqa_ratio, return_lse=True, compute_dtype=compute_dtype,
+                             score_mod=problem.score_mod, inputs=inputs, sink=problem.sink, batch_offset=b)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
 
 
 # -- validation ---------------------------------------------------------------

@@ -91,7 +91,10 @@ def test_the_builtin_pool_has_the_kernels_of_the_spec_files(target):
     assert SPEC_FILES
     names = {plan.name for plan in _plans(builtin_specs(target), target)}
     for path in SPEC_FILES:
-        assert families.plan_spec(attngen.load_spec(path), target).name in names, f"{path} is not in the pool"
+        spec = attngen.load_spec(path)
+        if spec.family in families.DECODE_FAMILIES:
+            continue  # the fuzzer runs forward calls; decode specs are tested by tests/test_gpu_decode.py
+        assert families.plan_spec(spec, target).name in names, f"{path} is not in the pool"
 
 
 def test_guard_rows_cover_the_largest_tile_of_every_family():

@@ -2,7 +2,8 @@
 on the GPU at hand (a spec may pin one by name).
 
 Adding a family: a folder beside fwd_sm80/ whose __init__.py exposes FAMILY (a KernelFamily,
-attngen/families/base.py), and its name in REGISTERED. Nothing else names families.
+attngen/families/base.py), and its name in REGISTERED (forward) or DECODE_REGISTERED (decode).
+Nothing else names families.
 """
 
 from __future__ import annotations
@@ -13,17 +14,24 @@ from attngen.errors import SpecError
 from attngen.families.base import KernelFamily, Plan
 
 REGISTERED = ("fwd_sm90", "fwd_sm80")
+# Families of the decode front door (attngen.decode): a call of new tokens against a KV cache.
+DECODE_REGISTERED = ("decode_sm80",)
 
 FAMILIES: dict[str, KernelFamily] = {
     name: importlib.import_module(f"attngen.families.{name}").FAMILY for name in REGISTERED
 }
+DECODE_FAMILIES: dict[str, KernelFamily] = {
+    name: importlib.import_module(f"attngen.families.{name}").FAMILY for name in DECODE_REGISTERED
+}
 
 
 def get_family(name: str) -> KernelFamily:
+    """A forward or decode family by name."""
     try:
-        return FAMILIES[name]
+        return FAMILIES[name] if name in FAMILIES else DECODE_FAMILIES[name]
     except (KeyError, TypeError):
-        raise ValueError(f"family={name!r} is invalid; allowed: {', '.join(FAMILIES)}") from None
+        raise ValueError(f"family={name!r} is invalid; allowed: {', '.join([*FAMILIES, *DECODE_FAMILIES])}") \
+            from None
 
 
 def supporting(problem, target) -> list[KernelFamily]:
@@ -31,10 +39,14 @@ def supporting(problem, target) -> list[KernelFamily]:
     return [f for f in FAMILIES.values() if f.supports(problem, target) is None]
 
 
-def select(problem, target, family: str | None = None) -> KernelFamily:
-    """The pinned family (SpecError saying why when it cannot run here), else the first that can."""
+def select(problem, target, family: str | None = None, operation: str = "forward") -> KernelFamily:
+    """The pinned family (SpecError saying why when it cannot run here or serves another operation),
+    else the first forward family that can."""
     if family is not None:
         chosen = get_family(family)
+        if chosen.operation != operation:
+            raise SpecError(f"family={family!r} is a {chosen.operation} family: attention() runs a forward family "
+                            f"({', '.join(FAMILIES)}); attngen.decode() takes this spec", field="family")
         reason = chosen.supports(problem, target)
         if reason is not None:
             raise SpecError(f"family={family!r} cannot run {problem.label()} on {target.name}: {reason}",
@@ -47,16 +59,19 @@ def select(problem, target, family: str | None = None) -> KernelFamily:
     return found[0]
 
 
-def plan_spec(spec, target=None, *, fault: str | None = None) -> Plan:
+def plan_spec(spec, target=None, *, fault: str | None = None, operation: str | None = None) -> Plan:
     """The plan a spec makes for `target` (default: the spec's arch, else sm_90): its pinned family or
     the preferred one, its pinned config fields and the family's defaults for the rest. No tuning
-    lookup (attngen/runtime/dispatch.py adds that)."""
+    lookup (attngen/runtime/dispatch.py adds that). `operation`: the one the caller runs ("forward"
+    for attention()); None takes a pinned family's own (`attngen generate` of a decode spec)."""
     from attngen import targets
 
     if target is None:
         target = targets.target(spec.arch or targets.DEFAULT_ARCH)
     try:
-        family = select(spec.problem, target, spec.family)
+        if operation is None:
+            operation = get_family(spec.family).operation if spec.family else "forward"
+        family = select(spec.problem, target, spec.family, operation)
         config = family.resolve_config(spec.problem, target, spec.pinned if spec.family == family.name else {})
         return family.plan(spec.problem, target, config, fault=fault)
     except SpecError as exc:

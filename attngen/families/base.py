@@ -15,6 +15,7 @@ folder (Python, templates, headers) and implements `KernelFamily`:
   accepts(plan, call)           -> None, or why these tensors need another family (a layout TMA
                                    cannot describe, say): the dispatcher then falls back
   workspace_bytes(plan, call)   scratch memory one call needs (0 by default)
+  operation                     "forward" (attention()) or "decode" (decode(): its call is a DecodeCall)
   launches(plan, call)          -> the ordered kernels of one call: grids, blocks, packed parameters
   estimate(plan, report, gpu, shape) -> the tuner's predicted time
 
@@ -201,6 +202,64 @@ class ForwardCall:
 
 
 @dataclass(frozen=True)
+class DecodeCall:
+    """The validated arguments of one decode call (attngen/runtime/decode.py made them): new tokens'
+    queries against each sequence's cached keys and values."""
+
+    q: "TensorInfo"  # (batch, seq_q, heads_q, head_dim)
+    k: "TensorInfo"  # paged (num_pages, page_size, heads_kv, head_dim) or contiguous (batch, capacity, ...)
+    v: "TensorInfo"
+    seqlens: "TensorInfo"  # (batch,) int32: each sequence's cache length
+    page_table: "TensorInfo | None"  # (batch, pages per sequence) int32, or None for a contiguous cache
+    out: "TensorInfo"
+    lse: "TensorInfo"
+    softmax_scale: float
+    num_splits: int = 1
+    workspace: int = 0  # device address of workspace_bytes() of scratch, when asked for
+    inputs: tuple = ()  # ((name, TensorInfo), ...) sorted: the runtime inputs the expressions read
+
+    input = ForwardCall.input
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def seq_q(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def heads_q(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def heads_kv(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[0] if self.page_table is not None else 0
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one sequence's cache can hold: its pages times the page size, or the contiguous length."""
+        return self.page_table.shape[1] * self.page_size if self.page_table is not None else self.k.shape[1]
+
+    @property
+    def partial_rows(self) -> int:
+        """Rows of split partials in the workspace: one per (split, sequence, token, query head)."""
+        return self.num_splits * self.batch * self.seq_q * self.heads_q
+
+
+@dataclass(frozen=True)
 class Launch:
     """One kernel launch of a call, in order."""
 
@@ -213,6 +272,7 @@ class Launch:
 
 class KernelFamily(ABC):
     name: ClassVar[str]
+    operation: ClassVar[str] = "forward"  # or "decode": the front door each family serves
     description: ClassVar[str]
     folder: ClassVar[Path]  # templates and headers
     config_fields: ClassVar[dict[str, tuple]]  # field -> allowed values (in the tuner's order)

@@ -123,7 +123,7 @@ def compile(spec: AttentionSpec, device: int | None = None, *, fault: str | None
     if not isinstance(spec, AttentionSpec):
         raise ValueError(f"spec must be an attngen.AttentionSpec, got {type(spec).__name__}")
     device = current_device() if device is None else device
-    return kernel_for(families.plan_spec(spec, targets.device_target(device), fault=fault), device)
+    return kernel_for(families.plan_spec(spec, targets.device_target(device), fault=fault, operation="forward"), device)
 
 
 # -- the front door's resolution: tuned entries, memoized per shape bucket ------------------------
@@ -158,7 +158,7 @@ def resolve(spec: AttentionSpec, q: TensorInfo, k: TensorInfo) -> Kernel:
             family = families.get_family(family_name)
             plan = family.plan(spec.problem, target, family.resolve_config(spec.problem, target, config))
     if plan is None:
-        plan = families.plan_spec(spec, target)
+        plan = families.plan_spec(spec, target, operation="forward")
     kernel = kernel_for(plan, device)
     _resolved[key] = (stamp, kernel)
     return kernel

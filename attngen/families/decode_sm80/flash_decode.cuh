@@ -1,0 +1,384 @@
+// ---- flash_decode.cuh: split-KV decoding over a paged (or contiguous) KV cache, mma.sync ----
+// Needs, from the rendered template: struct DecodeParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
+// NUM_WARPS, NUM_STAGES, GQA_RATIO, PAGED, IS_BF16, elem_t }, namespace mask { Bounds, bounds, visible }
+// (attngen/cuda/mask.cuh.j2) and namespace score { MODIFIED, modify, finish_row } (score_mod.cuh.j2).
+//
+// One CTA: one (split, kv head, row tile, sequence). Its BLOCK_M rows are the query heads of the kv
+// head times the new tokens (row r: token r / GQA_RATIO, head kv_head * GQA_RATIO + r % GQA_RATIO),
+// so every cached K/V byte is read once per row tile. Every warp holds all the rows and takes its own
+// BLOCK_N / NUM_WARPS keys of each loaded block: the warps' softmax states merge through shared
+// memory at the end. With more than one split, each CTA writes fp32 partials and their LSE to the
+// workspace and the combine kernel merges the splits through their LSEs.
+
+namespace fd {
+
+using namespace cfg;
+
+constexpr int THREADS = NUM_WARPS * 32;
+#define NEG_INF (-__int_as_float(0x7f800000))
+constexpr int MT = BLOCK_M / 16;              // m16 tiles of rows, held by every warp
+constexpr int WARP_N = BLOCK_N / NUM_WARPS;   // keys of each loaded block one warp takes
+constexpr int NT = WARP_N / 8;                // n8 tiles of S
+constexpr int PK = WARP_N / 16;               // k16 steps of P.V
+constexpr int DT = HEAD_DIM / 8;              // n8 tiles of O
+constexpr int DK = HEAD_DIM / 16;             // k16 steps of Q.K^T
+constexpr int ROW = HEAD_DIM + 8;             // padded smem row (elements): ldmatrix free of bank conflicts
+constexpr int ROW_BYTES = ROW * 2;
+constexpr int CHUNKS = HEAD_DIM / 8;          // 16-byte chunks per row
+constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
+constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
+constexpr int TILE_BYTES = Q_TILE_BYTES + 2 * NUM_STAGES * KV_TILE_BYTES;
+constexpr int MERGE_ROW = HEAD_DIM + 4;       // fp32 row of one warp's O in the merge
+constexpr int MERGE_BYTES = NUM_WARPS * BLOCK_M * (MERGE_ROW + 2) * 4;
+constexpr int SMEM_BYTES = TILE_BYTES > MERGE_BYTES ? TILE_BYTES : MERGE_BYTES;  // family.py smem_bytes()
+constexpr float LOG2E = 1.4426950408889634f;
+// Q fragments stay in registers up to d128; at d256 they are re-read from shared memory per k16
+// step, which leaves the registers to O (128 per thread for 16 rows).
+constexpr bool Q_IN_REGS = HEAD_DIM <= 128;
+
+static_assert(WARP_N % 16 == 0, "each warp takes whole k16 steps of keys");
+static_assert(BLOCK_M % 16 == 0 && HEAD_DIM % 16 == 0 && NUM_STAGES >= 2, "tile shapes");
+
+using Params = DecodeParams;  // generated from the family's argument list (family.py)
+
+// The sequence's cache length, or -1 when it is outside [0, capacity]: the kernels then write NaN
+// for its rows rather than read past the cache (a bad length must not pass silently).
+__device__ __forceinline__ int cache_len(const Params& p, int batch) {
+    const int n = p.seqlens[batch];
+    return n >= 0 && n <= p.capacity ? n : -1;
+}
+
+__device__ __forceinline__ void flash_decode(const Params& p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const u32 sQ = smem_u32(smem);
+    const u32 sKV = sQ + Q_TILE_BYTES;  // stage s: K at sKV + 2s*KV, V at sKV + (2s+1)*KV
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int split = blockIdx.x, batch = blockIdx.z;
+    const int Sq = p.Sq, rows = Sq * GQA_RATIO;
+    const int row_tiles = (rows + BLOCK_M - 1) / BLOCK_M;
+    const int kv_head = blockIdx.y / row_tiles, r0 = (blockIdx.y % row_tiles) * BLOCK_M;
+    const int len = cache_len(p, batch);
+    bool bad = len < 0;
+    const int Sk = bad ? 0 : len;
+    const float score_log2 = score::MODIFIED ? LOG2E : p.scale_log2;
+
+    // The keys this CTA visits: the mask's bounds over its tokens, cut into equal runs of blocks per split.
+    const int t_first = r0 / GQA_RATIO, t_end = min(Sq, (r0 + BLOCK_M + GQA_RATIO - 1) / GQA_RATIO);
+    const mask::Bounds bounds = mask::bounds(t_first, t_end, Sq, Sk, batch, kv_head * GQA_RATIO, p);
+    const int all_begin = bounds.kv_begin / BLOCK_N;
+    const int all_end = bounds.kv_end > bounds.kv_begin ? (bounds.kv_end + BLOCK_N - 1) / BLOCK_N : all_begin;
+    const int per_split = (all_end - all_begin + p.num_splits - 1) / p.num_splits;
+    const int n_begin = min(all_end, all_begin + split * per_split);
+    const int n_blocks = min(all_end, n_begin + per_split) - n_begin;
+
+    const elem_t* k_head = p.k + kv_head * p.k_sh;
+    const elem_t* v_head = p.v + kv_head * p.v_sh;
+    auto load_kv = [&](int it) {
+        const int stage = it % NUM_STAGES, n0 = (n_begin + it) * BLOCK_N;
+        const u32 dk = sKV + 2 * stage * KV_TILE_BYTES, dv = dk + KV_TILE_BYTES;
+#pragma unroll
+        for (int i = 0; i < (BLOCK_N * CHUNKS + THREADS - 1) / THREADS; ++i) {
+            const int c = threadIdx.x + i * THREADS;
+            if ((BLOCK_N * CHUNKS) % THREADS == 0 || c < BLOCK_N * CHUNKS) {
+                const int r = c / CHUNKS, col = (c % CHUNKS) * 8, n = n0 + r;
+                bool in = n < Sk;
+                i64 k_off = 0, v_off = 0;
+                if (in) {
+                    if constexpr (PAGED) {
+                        // The page table row holds capacity / page_size entries, and n < Sk <= capacity.
+                        const int page = p.page_table[(i64)batch * p.pt_sb + n / p.page_size];
+                        const int slot = n % p.page_size;
+                        in = (unsigned)page < (unsigned)p.num_pages;  // a bad page id is never read
+                        bad |= !in;
+                        k_off = in ? (i64)page * p.k_sp + (i64)slot * p.k_ss : 0;
+                        v_off = in ? (i64)page * p.v_sp + (i64)slot * p.v_ss : 0;
+                    } else {
+                        k_off = (i64)batch * p.k_sp + (i64)n * p.k_ss;
+                        v_off = (i64)batch * p.v_sp + (i64)n * p.v_ss;
+                    }
+                }
+                // Rows past the cache come back as zeros: never NaN into the tensor cores.
+                cp_async_16(dk + r * ROW_BYTES + col * 2, k_head + k_off + col, in);
+                cp_async_16(dv + r * ROW_BYTES + col * 2, v_head + v_off + col, in);
+            }
+        }
+        cp_async_commit();
+    };
+
+    // Q: rows past Sq * GQA_RATIO are zeros (never stored).
+    for (int c = threadIdx.x; c < BLOCK_M * CHUNKS; c += THREADS) {
+        const int r = c / CHUNKS, col = (c % CHUNKS) * 8, row = r0 + r;
+        const bool in = row < rows;
+        const int token = in ? row / GQA_RATIO : 0, head = kv_head * GQA_RATIO + (in ? row % GQA_RATIO : 0);
+        cp_async_16(sQ + r * ROW_BYTES + col * 2, p.q + batch * p.q_sb + token * p.q_ss + head * p.q_sh + col, in);
+    }
+    cp_async_commit();
+#pragma unroll
+    for (int s = 0; s < NUM_STAGES - 1; ++s) {
+        if (s < n_blocks) load_kv(s);
+        else cp_async_commit();  // empty groups keep the wait counts uniform
+    }
+
+    // This thread's rows: (m tile, half) -> token and query head; rows past the problem are padding.
+    int row_token[MT][2], row_head[MT][2];
+    bool row_real[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = r0 + mt * 16 + g + 8 * h;
+            row_real[mt][h] = row < rows;
+            row_token[mt][h] = row_real[mt][h] ? row / GQA_RATIO : 0;
+            row_head[mt][h] = kv_head * GQA_RATIO + (row_real[mt][h] ? row % GQA_RATIO : 0);
+        }
+
+    const u32 q_lane = (((lane % 8) + 8 * ((lane / 8) % 2)) * ROW + 8 * (lane / 16)) * 2;
+    const u32 k_lane = (((lane % 8) + 8 * (lane / 16)) * ROW + 8 * ((lane / 8) % 2)) * 2;
+    const u32 v_lane = (((lane % 8) + 8 * ((lane / 8) % 2)) * ROW + 8 * (lane / 16)) * 2;
+
+    u32 q_frag[MT][Q_IN_REGS ? DK : 1][4];
+    float o_acc[MT][DT][4];
+    float row_max[MT][2], row_sum[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o_acc[mt][dt][i] = 0.f;
+        row_max[mt][0] = row_max[mt][1] = NEG_INF;
+        row_sum[mt][0] = row_sum[mt][1] = 0.f;
+    }
+    cp_async_wait<NUM_STAGES - 1>();
+    __syncthreads();
+    if constexpr (Q_IN_REGS) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < DK; ++kk) ldmatrix_x4(q_frag[mt][kk], sQ + q_lane + (mt * 16 * ROW + kk * 16) * 2);
+    }
+
+#pragma unroll 1
+    for (int it = 0; it < n_blocks; ++it) {
+        cp_async_wait<NUM_STAGES - 2>();
+        __syncthreads();  // block `it` landed for every thread; the stage read last step is free
+        if (it + NUM_STAGES - 1 < n_blocks) load_kv(it + NUM_STAGES - 1);
+        else cp_async_commit();
+
+        const int stage = it % NUM_STAGES;
+        const u32 sK = sKV + 2 * stage * KV_TILE_BYTES + warp * WARP_N * ROW_BYTES, sV = sK + KV_TILE_BYTES;
+        float s_acc[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) s_acc[mt][nt][i] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < DK; ++kk) {
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if constexpr (Q_IN_REGS) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) a[mt][i] = q_frag[mt][kk][i];
+                } else {
+                    ldmatrix_x4(a[mt], sQ + q_lane + (mt * 16 * ROW + kk * 16) * 2);
+                }
+            }
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 b[4];
+                ldmatrix_x4(b, sK + k_lane + (np * 16 * ROW + kk * 16) * 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<IS_BF16>(s_acc[mt][2 * np], a[mt], b[0], b[1]);
+                    mma_16816<IS_BF16>(s_acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+
+        const int kw0 = (n_begin + it) * BLOCK_N + warp * WARP_N;  // this warp's first key
+        if constexpr (score::MODIFIED) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int h = i / 2, k = kw0 + nt * 8 + 2 * t + (i % 2);
+                        if (row_real[mt][h] && k < Sk)  // in bounds for the modifier's runtime inputs
+                            s_acc[mt][nt][i] = score::modify(s_acc[mt][nt][i] * p.scale, row_token[mt][h], k, Sq, Sk,
+                                                             batch, row_head[mt][h], p);
+                    }
+        }
+        if (!(kw0 >= bounds.full_begin && kw0 + WARP_N <= bounds.full_end)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int h = i / 2, k = kw0 + nt * 8 + 2 * t + (i % 2);
+                        if (!(k < Sk && row_real[mt][h] &&
+                              mask::visible(row_token[mt][h], k, Sq, Sk, batch, row_head[mt][h], p)))
+                            s_acc[mt][nt][i] = NEG_INF;
+                    }
+        }
+
+        // Online softmax in the log2 domain (as flash_fwd.cuh): P stays in registers for P.V.
+        u32 p_frag[MT][PK][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            float ref[2], alpha[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float mx = s_acc[mt][0][2 * h];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s_acc[mt][nt][2 * h], s_acc[mt][nt][2 * h + 1]));
+                mx = fmaxf(row_max[mt][h], quad_max(mx) * score_log2);
+                ref[h] = mx == NEG_INF ? 0.f : mx;
+                alpha[h] = fast_exp2(row_max[mt][h] - ref[h]);
+                row_max[mt][h] = mx;
+                row_sum[mt][h] *= alpha[h];
+            }
+#pragma unroll
+            for (int kk = 0; kk < PK; ++kk) {
+                float e[2][4];
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        e[half][i] = fast_exp2(fmaf(s_acc[mt][2 * kk + half][i], score_log2, -ref[i / 2]));
+                        row_sum[mt][i / 2] += e[half][i];
+                    }
+                p_frag[mt][kk][0] = pack2<IS_BF16>(e[0][0], e[0][1]);
+                p_frag[mt][kk][1] = pack2<IS_BF16>(e[0][2], e[0][3]);
+                p_frag[mt][kk][2] = pack2<IS_BF16>(e[1][0], e[1][1]);
+                p_frag[mt][kk][3] = pack2<IS_BF16>(e[1][2], e[1][3]);
+            }
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt) {
+                o_acc[mt][dt][0] *= alpha[0];
+                o_acc[mt][dt][1] *= alpha[0];
+                o_acc[mt][dt][2] *= alpha[1];
+                o_acc[mt][dt][3] *= alpha[1];
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < PK; ++kk)
+#pragma unroll
+            for (int dp = 0; dp < DT / 2; ++dp) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, sV + v_lane + (kk * 16 * ROW + dp * 16) * 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<IS_BF16>(o_acc[mt][2 * dp], p_frag[mt][kk], b[0], b[1]);
+                    mma_16816<IS_BF16>(o_acc[mt][2 * dp + 1], p_frag[mt][kk], b[2], b[3]);
+                }
+            }
+    }
+
+    // Merge the warps: each writes its rows' (max, sum) and unnormalised O to shared memory (the
+    // ring, now idle), then every thread finishes 4 columns of one row at a time.
+    cp_async_wait<0>();
+    __syncthreads();
+    float* merge_o = reinterpret_cast<float*>(smem);                          // [warp][row][MERGE_ROW]
+    float* merge_ml = merge_o + NUM_WARPS * BLOCK_M * MERGE_ROW;                // [warp][row][2]
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = mt * 16 + g + 8 * h;
+            const float sum = quad_sum(row_sum[mt][h]);
+            if (t == 0) {
+                merge_ml[(warp * BLOCK_M + r) * 2] = row_max[mt][h];
+                merge_ml[(warp * BLOCK_M + r) * 2 + 1] = sum;
+            }
+            float* o_row = merge_o + (warp * BLOCK_M + r) * MERGE_ROW;
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+                *reinterpret_cast<float2*>(o_row + dt * 8 + 2 * t) = make_float2(o_acc[mt][dt][2 * h], o_acc[mt][dt][2 * h + 1]);
+        }
+    const bool any_bad = __syncthreads_or(bad);
+    const float nan = __int_as_float(0x7fc00000);
+    for (int c = threadIdx.x; c < BLOCK_M * (HEAD_DIM / 4); c += THREADS) {
+        const int r = c / (HEAD_DIM / 4), col = (c % (HEAD_DIM / 4)) * 4, row = r0 + r;
+        if (row >= rows) continue;
+        const int token = row / GQA_RATIO, head = kv_head * GQA_RATIO + row % GQA_RATIO;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, merge_ml[(w * BLOCK_M + r) * 2]);
+        const float ref = mx == NEG_INF ? 0.f : mx;
+        float sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) {
+            const float scale = exp2f(merge_ml[(w * BLOCK_M + r) * 2] - ref);  // 0 for a warp that saw no key
+            sum += merge_ml[(w * BLOCK_M + r) * 2 + 1] * scale;
+            const float4 o = *reinterpret_cast<const float4*>(merge_o + (w * BLOCK_M + r) * MERGE_ROW + col);
+            acc[0] += o.x * scale; acc[1] += o.y * scale; acc[2] += o.z * scale; acc[3] += o.w * scale;
+        }
+        if (p.num_splits == 1) {
+            float lse;
+            float inv = score::finish_row(mx, sum, token, Sq, Sk, batch, head, p, lse);
+            if (any_bad) inv = lse = nan;
+            elem_t* o = p.o + batch * p.o_sb + token * p.o_ss + head * p.o_sh + col;
+            *reinterpret_cast<uint2*>(o) = make_uint2(pack2<IS_BF16>(acc[0] * inv, acc[1] * inv),
+                                                      pack2<IS_BF16>(acc[2] * inv, acc[3] * inv));
+            if (col == 0) p.lse[((i64)batch * p.Hq + head) * Sq + token] = lse;
+        } else {
+            // Partials: O normalised by its own sum, and its LSE (log2 domain); combine() merges them.
+            const i64 part = (((i64)split * gridDim.z + batch) * Sq + token) * p.Hq + head;
+            const float inv = any_bad ? nan : (sum > 0.f ? 1.f / sum : 0.f);
+            *reinterpret_cast<float4*>(p.o_part + part * HEAD_DIM + col) =
+                make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
+            if (col == 0) p.lse_part[part] = any_bad ? nan : (sum > 0.f ? mx + log2f(sum) : NEG_INF);
+        }
+    }
+}
+
+// One warp per (sequence, token, query head): the splits' partials weighted by their LSEs.
+__device__ __forceinline__ void combine(const Params& p) {
+    constexpr int PER_LANE = HEAD_DIM / 32;
+    const int lane = threadIdx.x % 32;
+    const i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const i64 rows = (i64)p.batch * p.Sq * p.Hq;
+    if (row >= rows) return;
+    const int head = (int)(row % p.Hq), token = (int)(row / p.Hq % p.Sq), batch = (int)(row / ((i64)p.Hq * p.Sq));
+    const int splits = p.num_splits;
+    float mx = NEG_INF;
+    bool nan_seen = false;
+    for (int s = lane; s < splits; s += 32) {
+        const float l = p.lse_part[s * rows + row];
+        nan_seen |= l != l;
+        mx = fmaxf(mx, l);
+    }
+#pragma unroll
+    for (int d = 16; d > 0; d /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
+    nan_seen = __any_sync(0xffffffffu, nan_seen);
+    const float ref = mx == NEG_INF ? 0.f : mx;
+    float sum = 0.f, acc[PER_LANE];
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) acc[j] = 0.f;
+#pragma unroll 1
+    for (int s = 0; s < splits; ++s) {
+        const float w = exp2f(p.lse_part[s * rows + row] - ref);  // 0 for a split that saw no key
+        sum += w;
+        if (w > 0.f) {
+            const float* o = p.o_part + (s * rows + row) * HEAD_DIM + lane;
+#pragma unroll
+            for (int j = 0; j < PER_LANE; ++j) acc[j] += w * o[32 * j];
+        }
+    }
+    const int len = cache_len(p, batch);
+    float lse;
+    float inv = score::finish_row(mx, sum, token, p.Sq, len < 0 ? 0 : len, batch, head, p, lse);
+    if (nan_seen) inv = lse = __int_as_float(0x7fc00000);
+    elem_t* o = p.o + batch * p.o_sb + token * p.o_ss + head * p.o_sh + lane;
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) o[32 * j] = (elem_t)(pack2<IS_BF16>(acc[j] * inv, 0.f) & 0xffffu);
+    if (lane == 0) p.lse[((i64)batch * p.Hq + head) * p.Sq + token] = lse;
+}
+
+}  // namespace fd

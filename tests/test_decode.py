@@ -1,0 +1,154 @@
+"""The decode family without a GPU: argument checks name what is wrong, the split heuristic fills the
+GPU, plans render and compile for sm_80 and sm_90a with nvcc (no spills at d64/d128), the decode
+reference agrees with the dense one on gathered pages, append_kv writes where the kernels read,
+and the forward front door refuses a decode family."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attngen import reference, targets
+from attngen.build import nvcc
+from attngen.errors import SpecError
+from attngen.families import DECODE_FAMILIES, plan_spec
+from attngen.families.decode_sm80.family import MIN_BLOCKS_PER_SPLIT, choose_splits
+from attngen.runtime.decode import check_decode_inputs, check_num_splits, decode_plan
+from attngen.runtime.tensors import TensorInfo
+from attngen.spec import AttentionSpec
+from attngen.decoding import append_kv
+
+SPEC = AttentionSpec(head_dim=128, gqa_ratio=4, mask="causal")
+H100 = targets.target("sm_90a")
+
+
+def info(name, shape, dtype="bfloat16", strides=None, ptr=0):
+    if strides is None:
+        strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return TensorInfo(name, "torch", ptr, tuple(shape), tuple(strides), dtype, 0)
+
+
+def paged_call(**changes):
+    args = dict(q=info("q", (2, 1, 8, 128)), k=info("k_cache", (10, 64, 2, 128)), v=info("v_cache", (10, 64, 2, 128)),
+                seqlens=info("cache_seqlens", (2,), "int32"), page_table=info("page_table", (2, 5), "int32"))
+    args.update(changes)
+    return args
+
+
+def test_a_well_formed_call_passes_the_checks():
+    a = paged_call()
+    check_decode_inputs(SPEC.problem, a["q"], a["k"], a["v"], a["seqlens"], a["page_table"])
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(q=info("q", (2, 1, 6, 128))), "q has 6 heads and the cache has 2"),
+    (dict(q=info("q", (2, 1, 8, 64))), "q has head_dim 64"),
+    (dict(k=info("k_cache", (10, 64, 2, 128), "float16")), "k_cache has dtype float16"),
+    (dict(v=info("v_cache", (10, 32, 2, 128))), "k_cache and v_cache must have the same shape"),
+    (dict(seqlens=info("cache_seqlens", (2,), "int64")), "cache_seqlens has dtype int64; allowed: int32"),
+    (dict(seqlens=info("cache_seqlens", (3,), "int32")), r"cache_seqlens has shape \(3,\)"),
+    (dict(page_table=info("page_table", (2, 5), "float32")), "page_table has dtype float32"),
+    (dict(page_table=info("page_table", (2, 5), "int32", strides=(1, 2))), "page_table must be contiguous"),
+    (dict(page_table=None), "the contiguous cache k_cache has batch 10 but q has batch 2"),
+    (dict(k=info("k_cache", (10, 64, 2, 128), strides=(64 * 256, 256, 128, 2))), "contiguous in its last dim"),
+    (dict(q=info("q", (2, 1, 8, 128), ptr=8)), "16-byte aligned"),
+])
+def test_bad_arguments_are_named(change, message):
+    a = paged_call(**change)
+    with pytest.raises(ValueError, match=message):
+        check_decode_inputs(SPEC.problem, a["q"], a["k"], a["v"], a["seqlens"], a["page_table"])
+
+
+@pytest.mark.parametrize("value", [0, -1, 257, 2.0, True, "4"])
+def test_num_splits_is_checked(value):
+    with pytest.raises(ValueError, match="num_splits="):
+        check_num_splits(value)
+
+
+def test_splits_fill_the_gpu_and_keep_blocks_per_split():
+    # 8 CTAs without splitting on 264 slots: split until the slots are nearly full.
+    s = choose_splits(1, 8, 1, 32768, 64, 132, 2)
+    assert 0.9 * 264 <= 8 * s <= 264
+    # Already more CTAs than slots: no split.
+    assert choose_splits(64, 8, 1, 16384, 64, 132, 2) == 1
+    # A short cache: every split keeps MIN_BLOCKS_PER_SPLIT blocks of a full cache.
+    s = choose_splits(1, 8, 1, 256, 64, 132, 2)
+    assert s <= 256 // 64 // MIN_BLOCKS_PER_SPLIT
+
+
+def test_the_forward_front_door_refuses_a_decode_family():
+    spec = AttentionSpec(head_dim=128, family="decode_sm80")
+    with pytest.raises(SpecError, match="decode family"):
+        plan_spec(spec, H100, operation="forward")
+    assert plan_spec(spec, H100).family == "decode_sm80"  # what `attngen generate` plans
+
+
+@pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("spec", [
+    AttentionSpec(head_dim=64, gqa_ratio=8, mask="causal"),
+    AttentionSpec(head_dim=128, gqa_ratio=4, mask="sliding_window(4096, 0)", score_mod="softcap(50.0)"),
+    AttentionSpec(head_dim=128, gqa_ratio=8, mask="q_idx + (kv_len - q_len) >= kv_idx", sink="sinks[h]"),
+], ids=lambda s: s.name)
+@pytest.mark.parametrize("paged", [True, False])
+def test_plans_compile_without_spills(arch, spec, paged):
+    plan = decode_plan(spec, targets.target(arch), paged)
+    report = nvcc.check_plan(plan)
+    assert report.spill_bytes == 0 and report.stack_frame_bytes == 0, report.log
+    assert [k.symbol for k in plan.kernels] == [plan.name, f"{plan.name}_combine"]
+
+
+def test_every_config_the_family_lists_plans_or_says_why():
+    family = DECODE_FAMILIES["decode_sm80"]
+    for d in (64, 128, 256):
+        problem = AttentionSpec(head_dim=d).problem
+        for config in family.configs(problem, H100):
+            try:
+                plan = family.plan(problem, H100, config)
+            except SpecError as exc:
+                assert "shared memory" in str(exc)
+                continue
+            assert plan.smem_bytes <= H100.smem_per_block
+
+
+def _paged(B, per, page_size, Hkv, D, seed):
+    gen = torch.Generator().manual_seed(seed)
+    pages = B * per
+    k, v = (torch.randn(pages, page_size, Hkv, D, generator=gen) for _ in range(2))
+    table = torch.randperm(pages, generator=gen).reshape(B, per).to(torch.int32)
+    return k, v, table
+
+
+def test_the_decode_reference_is_the_dense_one_on_gathered_pages():
+    k, v, table = _paged(3, 4, 16, 2, 64, seed=0)
+    q = torch.randn(3, 2, 8, 64)
+    lens = torch.tensor([0, 17, 64], dtype=torch.int32)
+    spec = AttentionSpec(head_dim=64, gqa_ratio=4, mask="causal")
+    out, lse = reference.decode_attention(q, k, v, lens, spec, page_table=table)
+    assert out[0].eq(0).all() and lse[0].isneginf().all()
+    for b in (1, 2):
+        pages = table[b].long()
+        kb = k[pages].reshape(1, -1, 2, 64)[:, :lens[b]]
+        vb = v[pages].reshape(1, -1, 2, 64)[:, :lens[b]]
+        ref, ref_lse = reference.attention(q[b:b + 1], kb, vb, mask="causal", return_lse=True)
+        assert torch.allclose(out[b:b + 1], ref) and torch.allclose(lse[b:b + 1], ref_lse)
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_append_kv_writes_where_the_cache_is_read(paged):
+    B, Hkv, D, page_size = 2, 2, 64, 16
+    if paged:
+        k, v, table = _paged(B, 4, page_size, Hkv, D, seed=1)
+    else:
+        k, v, table = torch.zeros(B, 64, Hkv, D), torch.zeros(B, 64, Hkv, D), None
+    lens = torch.tensor([15, 40], dtype=torch.int32)
+    k_new, v_new = torch.randn(B, 3, Hkv, D), torch.randn(B, 3, Hkv, D)
+    append_kv(k, v, k_new, v_new, lens, page_table=table)
+    for b in range(B):
+        got = reference.gather_cache(k, table, b, int(lens[b]) + 3)[0, int(lens[b]):]
+        assert torch.equal(got, k_new[b])
+        assert torch.equal(reference.gather_cache(v, table, b, int(lens[b]) + 3)[0, int(lens[b]):], v_new[b])
+    with pytest.raises(ValueError, match="append_kv: sequence 1 has cache_seqlens 63"):
+        append_kv(k, v, k_new, v_new, torch.tensor([0, 63], dtype=torch.int32), page_table=table)

@@ -1,0 +1,215 @@
+"""Decoding over a KV cache on a GPU (marker `gpu`): attngen.decode against the float64 reference
+(attngen/reference.py decode_attention) for paged caches with shuffled and shared pages and for
+contiguous ones, every kind of mask and modifier, lengths 0, 1, odd and full, 1 to 16 new tokens,
+forced and chosen split counts; bad lengths and page ids give NaN for their sequence only; a decode
+step captured in a CUDA graph replays correctly after the cache grows; the op traces with
+torch.compile(fullgraph=True)."""
+
+from __future__ import annotations
+
+import pytest
+
+import attngen
+from attngen import reference, tolerance
+from attngen.spec import AttentionSpec
+
+pytestmark = pytest.mark.gpu
+
+
+def make_cache(B, capacity, Hkv, D, page_size, seed, *, paged=True, share_prefix=False):
+    """(k_cache, v_cache, page_table or None), caches filled with N(0, 1); a paged cache has a spare
+    page of NaN (a read of a page no sequence lists would show) and its pages in shuffled order;
+    with share_prefix, every sequence's first page is sequence 0's."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if not paged:
+        k, v = (torch.randn(B, capacity, Hkv, D, generator=gen).to(torch.bfloat16).cuda() for _ in range(2))
+        return k, v, None
+    per = -(-capacity // page_size)
+    pages = B * per + 1
+    k, v = (torch.randn(pages, page_size, Hkv, D, generator=gen).to(torch.bfloat16).cuda() for _ in range(2))
+    order = torch.randperm(pages, generator=gen)
+    table = order[:B * per].reshape(B, per).to(torch.int32)
+    k[order[-1]] = float("nan")
+    v[order[-1]] = float("nan")
+    if share_prefix:
+        table[:, 0] = table[0, 0]
+    return k, v, table.cuda()
+
+
+def check_decode(spec, q, k, v, lens, table, *, num_splits=None, inputs=None, logit_scale=1.0):
+    import torch
+
+    out, lse = attngen.decode(q, k, v, lens, page_table=table, spec=spec, num_splits=num_splits, inputs=inputs,
+                              return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse = reference.decode_attention(q, k, v, lens.cpu(), spec, page_table=None if table is None
+                                              else table.cpu(), inputs=inputs)
+    scale = spec.effective_scale
+    for b in range(q.shape[0]):
+        kb = reference.gather_cache(k, table, b, int(lens[b]))
+        vb = reference.gather_cache(v, table, b, int(lens[b]))
+        bad = tolerance.check_output(out[b:b + 1], ref[b:b + 1], q[b:b + 1], kb, vb, "bf16", scale) \
+            or tolerance.check_lse(lse[b:b + 1], ref_lse[b:b + 1], q[b:b + 1], kb, scale)
+        assert bad is None, f"{spec.name} sequence {b} of lengths {lens.tolist()}, splits {num_splits}: {bad}"
+    return out, lse
+
+
+def _q(B, Sq, Hq, D, seed, scale=1.0):
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.randn(B, Sq, Hq, D, generator=gen) * scale).to(torch.bfloat16).cuda()
+
+
+LENGTHS = [0, 1, 63, 64, 65, 1000, 2049, 4096]
+
+
+@pytest.mark.parametrize("paged, page_size", [(True, 16), (True, 64), (True, 100), (True, 256), (False, None)])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 16])
+def test_lengths_pages_and_splits_match_the_reference(paged, page_size, num_splits):
+    import torch
+
+    spec = AttentionSpec(head_dim=128, gqa_ratio=4)
+    B, Hkv, capacity = len(LENGTHS), 2, 4096
+    k, v, table = make_cache(B, capacity, Hkv, 128, page_size or 0, seed=1, paged=paged, share_prefix=True)
+    lens = torch.tensor(LENGTHS, dtype=torch.int32, device="cuda")
+    check_decode(spec, _q(B, 1, 4 * Hkv, 128, 2), k, v, lens, table, num_splits=num_splits)
+
+
+CASES = [
+    # (mask, score_mod, sink, head_dim, gqa_ratio, new tokens)
+    ("causal", None, None, 64, 8, 1),
+    ("causal", None, None, 128, 4, 5),
+    ("causal", None, None, 256, 1, 16),
+    ("sliding_window(100, 0)", "softcap(30.0)", None, 128, 4, 3),
+    ("chunked(128) and causal", None, None, 96, 2, 7),
+    ("q_idx + (kv_len - q_len) >= kv_idx and kv_idx % 5 != 1", None, None, 64, 4, 4),
+    ("causal", "score - slope[h] * abs(q_idx + (kv_len - q_len) - kv_idx)", None, 128, 4, 2),
+    ("causal", None, "sinks[h]", 128, 8, 1),
+    ("none", None, None, 128, 16, 16),
+]
+
+
+@pytest.mark.parametrize("mask, score_mod, sink, head_dim, ratio, new", CASES)
+def test_masks_modifiers_and_sinks_match_the_reference(mask, score_mod, sink, head_dim, ratio, new):
+    import torch
+
+    spec = AttentionSpec(head_dim=head_dim, gqa_ratio=ratio, mask=mask, score_mod=score_mod, sink=sink)
+    B, Hkv = 4, 2
+    lens = torch.tensor([new, 777, 0, 1500], dtype=torch.int32, device="cuda")
+    inputs = {}
+    if score_mod and "slope" in score_mod:
+        inputs["slope"] = torch.rand(ratio * Hkv, device="cuda") * 0.1
+    if sink:
+        inputs["sinks"] = torch.randn(ratio * Hkv, device="cuda")
+    for paged in (True, False):
+        k, v, table = make_cache(B, 1536, Hkv, head_dim, 32, seed=3, paged=paged)
+        q = _q(B, new, ratio * Hkv, head_dim, 4, scale=3.0 if score_mod else 1.0)
+        for num_splits in (None, 1, 5):
+            check_decode(spec, q, k, v, lens, table, num_splits=num_splits, inputs=inputs or None)
+
+
+def test_decode_equals_the_forward_on_the_same_cache():
+    """One sequence's decode is the forward kernel's answer on the contiguous cache (bottom-right causal)."""
+    import torch
+
+    k, v, table = make_cache(2, 1000, 2, 128, 64, seed=5)
+    lens = torch.tensor([1000, 321], dtype=torch.int32, device="cuda")
+    q = _q(2, 3, 8, 128, 6)
+    out = attngen.decode(q, k, v, lens, page_table=table, mask="causal", num_splits=4)
+    for b in range(2):
+        kb, vb = (reference.gather_cache(t, table, b, int(lens[b])) for t in (k, v))
+        fwd = attngen.attention(q[b:b + 1], kb.contiguous(), vb.contiguous(), mask="causal")
+        assert (out[b:b + 1].float() - fwd.float()).abs().max().item() <= 2 * 2**-8 * (fwd.float().abs().max().item() + 4)
+
+
+def test_bad_lengths_and_page_ids_poison_only_their_sequence():
+    import torch
+
+    spec = AttentionSpec(head_dim=64, gqa_ratio=2)
+    k, v, table = make_cache(4, 256, 1, 64, 64, seed=7)
+    table[2, 1] = k.shape[0] + 5  # a page id past the cache, within sequence 2's length
+    table[3, 3] = -1  # past sequence 3's length: never read
+    lens = torch.tensor([300, -1, 200, 100], dtype=torch.int32, device="cuda")  # 300 > capacity 256
+    q = _q(4, 1, 2, 64, 8)
+    for num_splits in (1, 3):
+        out, lse = attngen.decode(q, k, v, lens, page_table=table, spec=spec, num_splits=num_splits, return_lse=True)
+        torch.cuda.synchronize()
+        assert out[:3].isnan().all() and lse[:3].isnan().all(), num_splits
+        assert out[3].isfinite().all() and lse[3].isfinite().all()
+        ref = reference.decode_attention(q[3:], k, v, lens[3:].cpu(), spec, page_table=table[3:].cpu())[0]
+        kb, vb = (reference.gather_cache(t, table, 3, 100) for t in (k, v))
+        assert tolerance.check_output(out[3:], ref, q[3:], kb, vb, "bf16", spec.effective_scale) is None
+
+
+def test_a_decode_step_replays_from_a_cuda_graph():
+    import torch
+
+    spec = AttentionSpec(head_dim=128, gqa_ratio=4, mask="causal")
+    B, Hkv = 3, 2
+    k, v, table = make_cache(B, 512, Hkv, 128, 64, seed=9)
+    lens = torch.tensor([10, 200, 400], dtype=torch.int32, device="cuda")
+    q = _q(B, 1, 4 * Hkv, 128, 10)
+    k_new, v_new = (_q(B, 1, Hkv, 128, s) for s in (11, 12))
+
+    def step():
+        attngen.append_kv(k, v, k_new, v_new, lens, page_table=table, check=False)
+        lens.add_(1)
+        return attngen.decode(q, k, v, lens, page_table=table, spec=spec, return_lse=True)
+
+    attngen.decode(q, k, v, lens, page_table=table, spec=spec)  # compiled and loaded before capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out, lse = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    lens.copy_(torch.tensor([10, 200, 400], dtype=torch.int32))  # capture ran nothing; start over
+    for _ in range(3):
+        q.copy_(torch.randn_like(q, dtype=torch.float32).to(q.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.decode_attention(q, k, v, lens.cpu(), spec, page_table=table.cpu())[0]
+        for b in range(B):
+            kb, vb = (reference.gather_cache(t, table, b, int(lens[b])) for t in (k, v))
+            bad = tolerance.check_output(out[b:b + 1], ref[b:b + 1], q[b:b + 1], kb, vb, "bf16", spec.effective_scale)
+            assert bad is None, f"sequence {b}: {bad}"
+    assert lens.tolist() == [13, 203, 403]
+
+
+def test_decode_traces_with_torch_compile_fullgraph():
+    import torch
+
+    k, v, table = make_cache(2, 300, 2, 64, 32, seed=13)
+    lens = torch.tensor([300, 17], dtype=torch.int32, device="cuda")
+    q = _q(2, 2, 4, 64, 14)
+
+    def fn(q, k, v, lens, table):
+        return attngen.decode(q, k, v, lens, page_table=table, mask="causal") * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    assert torch.equal(compiled(q, k, v, lens, table), fn(q, k, v, lens, table))
+
+
+def test_bad_arguments_raise_clear_errors():
+    import torch
+
+    k, v, table = make_cache(2, 128, 2, 64, 32, seed=15)
+    lens = torch.tensor([5, 6], dtype=torch.int32, device="cuda")
+    q = _q(2, 1, 4, 64, 16)
+    with pytest.raises(ValueError, match="cache_seqlens has dtype int64"):
+        attngen.decode(q, k, v, lens.long(), page_table=table)
+    with pytest.raises(ValueError, match="page_table has dtype"):
+        attngen.decode(q, k, v, lens, page_table=table.float())
+    with pytest.raises(ValueError, match="num_splits=0 is invalid"):
+        attngen.decode(q, k, v, lens, page_table=table, num_splits=0)
+    with pytest.raises(ValueError, match="k_cache and v_cache must have the same shape"):
+        attngen.decode(q, k, v[:-1], lens, page_table=table)
+    with pytest.raises(ValueError, match="contiguous cache k_cache has batch"):
+        attngen.decode(q, k, v, lens)
+    with pytest.raises(ValueError, match="append_kv: sequence 1"):
+        attngen.append_kv(k, v, k[:2, :1], v[:2, :1], torch.tensor([5, 128], dtype=torch.int32, device="cuda"),
+                          page_table=table)
