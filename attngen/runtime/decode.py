@@ -230,9 +230,6 @@ def _checked(q, k_cache, v_cache, cache_seqlens, page_table, spec, softmax_scale
     check_decode_inputs(spec.problem, qi, ki, vi, si, pi)
     kernel = _kernel(spec, qi.device, pi is not None)
     B, Sq, Hq, D = qi.shape
-    if Hq // spec.problem.gqa_ratio * families.get_family(kernel.plan.family).row_tiles(
-            kernel.plan, _shape_only(qi, ki)) > MAX_GRID_YZ:
-        raise ValueError(f"heads_kv x row tiles of q {qi.shape} exceed the grid's limit {MAX_GRID_YZ}")
     oi = describe(out, "out") if out is not None else \
         TensorInfo("out", qi.kind, 0, (B, Sq, Hq, D), (Sq * Hq * D, Hq * D, D, 1), qi.dtype, qi.device)
     li = describe(lse, "lse") if lse is not None else \
@@ -257,8 +254,3 @@ def decode(q, k_cache, v_cache, cache_seqlens, spec: AttentionSpec, *, page_tabl
                             out, lse)
     kernel.run(call, current_stream(q, qi.device), q)
     return out, lse
-
-
-def _shape_only(q: TensorInfo, k: TensorInfo) -> DecodeCall:
-    """A call carrying only shapes (row_tiles reads seq_q)."""
-    return DecodeCall(q, k, k, q, None, q, q, 1.0)

@@ -225,7 +225,7 @@ class Sm80Decode(KernelFamily):
 
     def launches(self, plan: DecodePlan, call: DecodeCall) -> list[Launch]:
         params = plan.kernels[0].abi.pack(call)
-        grid = (call.num_splits, call.heads_kv * self.row_tiles(plan, call), call.batch)
+        grid = (call.heads_kv * self.row_tiles(plan, call), call.num_splits, call.batch)
         launches = [Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, params)]
         if call.num_splits > 1:
             rows = call.batch * call.seq_q * call.heads_q
