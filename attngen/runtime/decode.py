@@ -62,7 +62,9 @@ def check_decode_inputs(problem, q: TensorInfo, k: TensorInfo, v: TensorInfo, se
     if k.shape[0] < 1 or k.shape[1] < 1:
         raise ValueError(f"k_cache has shape {k.shape}; allowed: at least one {'page' if page_table else 'sequence'} "
                          f"of at least one token")
-    index_tensors = [(seqlens, 1, "(batch,)")] + ([(page_table, 2, "(batch, pages per sequence)")] if page_table else [])
+    index_tensors = [(seqlens, 1, "(batch,)")]
+    if page_table is not None:
+        index_tensors.append((page_table, 2, "(batch, pages per sequence)"))
     for t, rank, dims in index_tensors:
         if t.dtype != "int32":
             raise ValueError(f"{t.name} has dtype {t.dtype}; allowed: int32")
@@ -201,8 +203,8 @@ def decode_torch(torch, q, k_cache, v_cache, cache_seqlens, page_table, spec: At
     from attngen.runtime.tensors import torch_stream
 
     key = (spec, softmax_scale, num_splits, q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
-           k_cache.dtype, k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, cache_seqlens.shape,
-           cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
+           k_cache.dtype, k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
+           cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
            None if page_table is None else (page_table.shape, page_table.stride(), page_table.dtype, page_table.device),
            tuple((name, t.shape, t.stride(), t.dtype, t.device) for name, t in zip(names, tensors)))
     prepared = _prepared.get(key)
