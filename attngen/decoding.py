@@ -125,15 +125,27 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, *, page_table=None,
     inside a CUDA graph capture once the lengths are known to fit."""
     import torch
 
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new),
+                    ("cache_seqlens", cache_seqlens), ("page_table", page_table)):
+        if not isinstance(t, torch.Tensor) and not (name == "page_table" and t is None):
+            raise ValueError(f"{name} is a {type(t).__name__}; allowed: a torch.Tensor")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}: allowed: the same "
+                         "4-dim shape, (num_pages, page_size, heads_kv, head_dim) or (batch, capacity, heads_kv, "
+                         "head_dim)")
+    if cache_seqlens.dtype != torch.int32 or cache_seqlens.dim() != 1:
+        raise ValueError(f"cache_seqlens is {cache_seqlens.dtype} of shape {tuple(cache_seqlens.shape)}; allowed: "
+                         "int32 (batch,)")
+    if page_table is not None and (page_table.dtype != torch.int32 or page_table.dim() != 2
+                                   or page_table.shape[0] != cache_seqlens.shape[0]):
+        raise ValueError(f"page_table is {page_table.dtype} of shape {tuple(page_table.shape)}; allowed: int32 "
+                         f"(batch={cache_seqlens.shape[0]}, pages per sequence)")
     for name, t, want in (("k_new", k_new, k_cache), ("v_new", v_new, v_cache)):
         if t.dim() != 4 or t.shape[0] != cache_seqlens.shape[0] or t.shape[2:] != want.shape[2:]:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; allowed: (batch={cache_seqlens.shape[0]}, n, "
                              f"{want.shape[2]}, {want.shape[3]}) for this cache")
         if t.dtype != want.dtype or t.device != want.device:
             raise ValueError(f"{name} is {t.dtype} on {t.device}; allowed: the cache's {want.dtype} on {want.device}")
-    if cache_seqlens.dtype != torch.int32 or cache_seqlens.dim() != 1:
-        raise ValueError(f"cache_seqlens is {cache_seqlens.dtype} of shape {tuple(cache_seqlens.shape)}; allowed: "
-                         "int32 (batch,)")
     n = k_new.shape[1]
     positions = cache_seqlens.long()[:, None] + torch.arange(n, device=k_new.device)  # (batch, n)
     if page_table is None:

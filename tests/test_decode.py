@@ -10,15 +10,15 @@ import math
 import pytest
 import torch
 
-from attngen import reference, targets
+from attngen import families, reference, targets
 from attngen.build import nvcc
+from attngen.decoding import append_kv
 from attngen.errors import SpecError
 from attngen.families import DECODE_FAMILIES, plan_spec
 from attngen.families.decode_sm80.family import MIN_BLOCKS_PER_SPLIT, choose_splits
 from attngen.runtime.decode import check_decode_inputs, check_num_splits, decode_plan
 from attngen.runtime.tensors import TensorInfo
 from attngen.spec import AttentionSpec
-from attngen.decoding import append_kv
 
 SPEC = AttentionSpec(head_dim=128, gqa_ratio=4, mask="causal")
 H100 = targets.target("sm_90a")
@@ -80,8 +80,12 @@ def test_splits_fill_the_gpu_and_keep_blocks_per_split():
 
 def test_the_forward_front_door_refuses_a_decode_family():
     spec = AttentionSpec(head_dim=128, family="decode_sm80")
-    with pytest.raises(SpecError, match="decode family"):
+    with pytest.raises(SpecError, match="is a decode family, but this call runs a forward family"):
         plan_spec(spec, H100, operation="forward")
+    with pytest.raises(SpecError, match="is a forward family, but this call runs a decode family"):
+        families.select(spec.problem, H100, "fwd_sm80", "decode")
+    # A spec pinning a forward family still decodes, with the decode family's defaults.
+    assert decode_plan(AttentionSpec(head_dim=128, family="fwd_sm80"), H100, True).family == "decode_sm80"
     assert plan_spec(spec, H100).family == "decode_sm80"  # what `attngen generate` plans
 
 
@@ -152,3 +156,12 @@ def test_append_kv_writes_where_the_cache_is_read(paged):
         assert torch.equal(reference.gather_cache(v, table, b, int(lens[b]) + 3)[0, int(lens[b]):], v_new[b])
     with pytest.raises(ValueError, match="append_kv: sequence 1 has cache_seqlens 63"):
         append_kv(k, v, k_new, v_new, torch.tensor([0, 63], dtype=torch.int32), page_table=table)
+    if paged:
+        with pytest.raises(ValueError, match="page_table is torch.float32"):
+            append_kv(k, v, k_new, v_new, lens, page_table=table.float())
+    with pytest.raises(ValueError, match="cache_seqlens is torch.int64"):
+        append_kv(k, v, k_new, v_new, lens.long(), page_table=table)
+    with pytest.raises(ValueError, match="k_new has shape"):
+        append_kv(k, v, k_new[:, :, :1], v_new, lens, page_table=table)
+    with pytest.raises(ValueError, match="v_cache is a list"):
+        append_kv(k, [], k_new, v_new, lens, page_table=table)

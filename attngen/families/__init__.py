@@ -34,28 +34,37 @@ def get_family(name: str) -> KernelFamily:
             from None
 
 
-def supporting(problem, target) -> list[KernelFamily]:
-    """The families that can run `problem` on `target`, in order of preference."""
-    return [f for f in FAMILIES.values() if f.supports(problem, target) is None]
+def registry(operation: str) -> dict[str, KernelFamily]:
+    """The families of one front door: "forward" (attention()) or "decode" (attngen.decode())."""
+    if operation not in ("forward", "decode"):
+        raise ValueError(f"operation={operation!r} is invalid; allowed: forward, decode")
+    return FAMILIES if operation == "forward" else DECODE_FAMILIES
+
+
+def supporting(problem, target, operation: str = "forward") -> list[KernelFamily]:
+    """The families of `operation` that can run `problem` on `target`, in order of preference."""
+    return [f for f in registry(operation).values() if f.supports(problem, target) is None]
 
 
 def select(problem, target, family: str | None = None, operation: str = "forward") -> KernelFamily:
     """The pinned family (SpecError saying why when it cannot run here or serves another operation),
-    else the first forward family that can."""
+    else the first family of `operation` that can."""
     if family is not None:
         chosen = get_family(family)
         if chosen.operation != operation:
-            raise SpecError(f"family={family!r} is a {chosen.operation} family: attention() runs a forward family "
-                            f"({', '.join(FAMILIES)}); attngen.decode() takes this spec", field="family")
+            raise SpecError(f"family={family!r} is a {chosen.operation} family, but this call runs a {operation} "
+                            f"family ({', '.join(registry(operation))})", field="family")
         reason = chosen.supports(problem, target)
         if reason is not None:
             raise SpecError(f"family={family!r} cannot run {problem.label()} on {target.name}: {reason}",
                             field="family")
         return chosen
-    found = supporting(problem, target)
+    found = supporting(problem, target, operation)
     if not found:
-        reasons = "; ".join(f"{f.name}: {f.supports(problem, target)}" for f in FAMILIES.values())
-        raise SpecError(f"no kernel family can run {problem.label()} on {target.name} ({reasons})", field="family")
+        reasons = "; ".join(f"{f.name}: {f.supports(problem, target)}" for f in registry(operation).values())
+        kind = "" if operation == "forward" else f"{operation} "
+        raise SpecError(f"no {kind}kernel family can run {problem.label()} on {target.name} ({reasons})",
+                        field="family")
     return found[0]
 
 

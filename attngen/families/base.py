@@ -16,6 +16,7 @@ folder (Python, templates, headers) and implements `KernelFamily`:
                                    cannot describe, say): the dispatcher then falls back
   workspace_bytes(plan, call)   scratch memory one call needs (0 by default)
   operation                     "forward" (attention()) or "decode" (decode(): its call is a DecodeCall)
+  num_splits(plan, call, target) a decode family's split count when the caller gives none
   launches(plan, call)          -> the ordered kernels of one call: grids, blocks, packed parameters
   estimate(plan, report, gpu, shape) -> the tuner's predicted time
 
@@ -199,6 +200,9 @@ class ForwardCall:
     @property
     def heads_kv(self) -> int:
         return self.k.shape[2]
+
+
+MAX_SPLITS = 256  # parts a decode call may cut each sequence's cache into (DecodeCall.num_splits)
 
 
 @dataclass(frozen=True)

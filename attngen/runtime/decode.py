@@ -17,14 +17,18 @@ import functools
 import threading
 
 from attngen import families, targets
-from attngen.families.base import DecodeCall, problem_inputs, problem_programs
+from attngen.families.base import (
+    MAX_SPLITS,
+    DecodeCall,
+    problem_inputs,
+    problem_programs,
+)
 from attngen.runtime import checks
 from attngen.runtime.dispatch import describe_inputs, kernel_for
 from attngen.runtime.tensors import TensorInfo, current_stream, describe, new_like
 from attngen.spec import AttentionSpec
 
 MAX_GRID_YZ = 65535
-MAX_SPLITS = 256
 
 
 def check_decode_inputs(problem, q: TensorInfo, k: TensorInfo, v: TensorInfo, seqlens: TensorInfo,
@@ -114,29 +118,10 @@ def check_num_splits(num_splits) -> None:
 def decode_plan(spec: AttentionSpec, target, paged: bool):
     """The decode plan of a spec: its pinned decode family and config, else the first decode family
     that supports the problem, with its defaults (a pinned forward family's config is the forward's)."""
-    from attngen.errors import SpecError
-
     pinned = spec.family if spec.family in families.DECODE_FAMILIES else None
-    candidates = [families.get_family(pinned)] if pinned else list(families.DECODE_FAMILIES.values())
-    reasons = []
-    for family in candidates:
-        reason = family.supports(spec.problem, target)
-        if reason is None:
-            config = family.resolve_config(spec.problem, target, spec.pinned if pinned else {})
-            return family.plan(spec.problem, target, config, paged=paged)
-        reasons.append(f"{family.name}: {reason}")
-    raise SpecError(f"no decode family can run {spec.problem.label()} on {target.name} ({'; '.join(reasons)})",
-                    field="family")
-
-
-def splits_for(plan, call: DecodeCall, target) -> int:
-    """choose_splits for this call on `target`: CTA slots from the kernel's shared memory and threads."""
-    from attngen.families.decode_sm80.family import choose_splits
-
-    family = families.get_family(plan.family)
-    per_sm = min(target.smem_per_sm // (plan.smem_bytes + 1024), 2048 // plan.threads, 32)
-    return choose_splits(call.batch, call.heads_kv, family.row_tiles(plan, call), call.capacity, plan.block_n,
-                         target.sms or 132, max(1, per_sm))
+    family = families.select(spec.problem, target, pinned, "decode")
+    config = family.resolve_config(spec.problem, target, spec.pinned if pinned else {})
+    return family.plan(spec.problem, target, config, paged=paged)
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,7 +224,8 @@ def _checked(q, k_cache, v_cache, cache_seqlens, page_table, spec, softmax_scale
     call = decode_call(spec.problem, qi, ki, vi, si, pi, oi, li, softmax_scale, num_splits or 1,
                        describe_inputs(inputs))
     if num_splits is None:
-        call = dataclasses.replace(call, num_splits=splits_for(kernel.plan, call, _target(qi.device)))
+        splits = kernel.family.num_splits(kernel.plan, call, _target(qi.device))
+        call = dataclasses.replace(call, num_splits=splits)
     return kernel, call
 
 

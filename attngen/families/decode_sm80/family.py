@@ -29,7 +29,16 @@ from typing import Any, Mapping
 from attngen.codegen import render as codegen
 from attngen.codegen.abi import Abi, Param
 from attngen.errors import SpecError
-from attngen.families.base import Config, DecodeCall, ForwardPlan, KernelFamily, KernelPlan, Launch, problem_inputs
+from attngen.families.base import (
+    MAX_SPLITS,
+    Config,
+    DecodeCall,
+    ForwardPlan,
+    KernelFamily,
+    KernelPlan,
+    Launch,
+    problem_inputs,
+)
 from attngen.faults import check_fault
 from attngen.masks import get_mask, mask_problem
 from attngen.runtime_inputs import with_inputs
@@ -47,7 +56,6 @@ NUM_STAGES = (2, 3, 4)
 MAX_ROWS_TIMES_DIM = 16 * 256
 MIN_WARP_KEYS = 16  # a warp takes whole k16 steps of each block
 COMBINE_THREADS = 128  # 4 output rows per combine CTA, one warp each
-MAX_SPLITS = 256
 MIN_BLOCKS_PER_SPLIT = 2  # shorter splits cost more in partials and combine than they gain
 _LABEL = re.compile(r"m(\d+)n(\d+)w(\d+)s(\d+)")
 
@@ -216,6 +224,13 @@ class Sm80Decode(KernelFamily):
 
     def render(self, plan: DecodePlan) -> str:
         return codegen.render(FOLDER, "decode.cu.j2", plan=plan, abi=plan.kernels[0].abi)
+
+    def num_splits(self, plan: DecodePlan, call: DecodeCall, target: Target) -> int:
+        """choose_splits for this call on `target`: CTA slots per SM from the kernel's shared memory
+        and threads (registers allow two CTAs of the default configs)."""
+        per_sm = min(target.smem_per_sm // (plan.smem_bytes + 1024), 2048 // plan.threads, 32)
+        return choose_splits(call.batch, call.heads_kv, self.row_tiles(plan, call), call.capacity, plan.block_n,
+                             target.sms or 132, max(1, per_sm))
 
     def row_tiles(self, plan: DecodePlan, call: DecodeCall) -> int:
         return math.ceil(call.seq_q * plan.gqa_ratio / plan.block_m)
