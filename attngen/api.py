@@ -8,6 +8,13 @@ to a loaded kernel (attngen/runtime/dispatch.py, memoized per shape bucket) and 
 the current stream, which CUDA graphs capture. Eager calls on plain tensors
 skip the dispatcher's op machinery and run the same implementation directly (EAGER_DIRECT),
 which saves its per-call overhead. CuPy arrays take the runtime directly.
+
+Gradients: the forward op has an autograd formula (register_autograd) that calls a second op,
+`torch.ops.attngen.backward(dout, q, k, v, out, lse, dlse, spec_key, softmax_scale, input_names,
+inputs)` -> (dq, dk, dv), run by a backward family (attngen/runtime/backward.py,
+attngen/families/bwd_sm80/; docs/backward.md). A call that needs gradients always takes the op, so
+autograd records it. Runtime inputs get gradients only where the sink alone reads them, computed
+in torch from the sink's expression.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ from attngen.spec import HEAD_DIMS, MAX_GQA_RATIO, AttentionSpec
 OP = "attngen::forward"
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, str spec_key, float? softmax_scale, str[]? input_names=None, "
           "Tensor[]? inputs=None) -> (Tensor, Tensor)")
+BACKWARD_OP = "attngen::backward"
+BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, str spec_key, "
+                   "float? softmax_scale, str[]? input_names=None, Tensor[]? inputs=None) -> (Tensor, Tensor, Tensor)")
 # Eager calls on plain tensors, with autograd not needed, run the op's implementation directly.
 EAGER_DIRECT = True
 _SPEC_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
@@ -76,30 +86,77 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
     compiled on first use and cached on disk. Works under torch.compile(fullgraph=True) and in
     CUDA graph capture; runs on the current CUDA stream.
 
+    Gradients flow to q, k and v (torch autograd, when grad is enabled and one of them requires
+    grad) through the backward families (attngen/families/bwd_sm80/, docs/backward.md): dq, dk,
+    dv from the output's and the LSE's gradients, the same mask, score modifier and sink, the
+    spec's family pinned only when it is a backward family. A runtime input of the sink alone may
+    require grad too (learned sinks): its gradient is computed in torch from the sink's
+    expression. Inputs the mask or score modifier read cannot (ValueError). CuPy arrays have no
+    autograd.
+
     Raises:
         ValueError (SpecError for spec fields): a bad argument, naming it, its value and what is
         allowed: wrong device, dtype, rank, head dim, head counts, a non-contiguous last
-        dimension, misaligned rows, a spec that disagrees with the tensors.
+        dimension, misaligned rows, a spec that disagrees with the tensors, a runtime input that
+        requires grad but is read by the mask or score modifier.
     """
     if type(q).__module__.startswith("torch"):
         import torch
 
-        if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
-            raise ValueError("q, k or v requires grad, but attngen has no backward kernel yet; call under "
-                             "torch.no_grad() or detach the inputs")
-        if EAGER_DIRECT and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor \
-                and not torch.compiler.is_compiling():
+        # A call that needs gradients takes the op, whose autograd formula records the graph.
+        grad = _needs_grad(torch, q, k, v, inputs)
+        if EAGER_DIRECT and not grad and type(q) is torch.Tensor and type(k) is torch.Tensor \
+                and type(v) is torch.Tensor and not torch.compiler.is_compiling():
             out, lse = _eager(torch, q, k, v, spec, (mask, score_mod, sink), softmax_scale, inputs)
         else:
+            key = _spec_key(q, k, spec, mask, score_mod, sink)
             names, tensors = _split_inputs(inputs)
-            out, lse = (_OP or register())(q, k, v, _spec_key(q, k, spec, mask, score_mod, sink), softmax_scale,
-                                           names, tensors)
+            if grad:  # before the forward runs: the op's autograd formula checks only after it
+                _check_grad_inputs(key, names, tensors)
+            out, lse = (_OP or register())(q, k, v, key, softmax_scale, names, tensors)
     else:
         from attngen.runtime.dispatch import forward
 
         out, lse = forward(q, k, v, _spec_from_key(_spec_key(q, k, spec, mask, score_mod, sink)),
                            softmax_scale=softmax_scale, inputs=inputs)
     return (out, lse) if return_lse else out
+
+
+def _needs_grad(torch, q, k, v, inputs) -> bool:
+    """Whether autograd must record this call: grad enabled and q, k, v or a runtime input requiring it."""
+    if not torch.is_grad_enabled():
+        return False
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        return True
+    return bool(inputs) and any(getattr(t, "requires_grad", False) for t in _split_inputs(inputs)[1])
+
+
+def _check_grad_inputs(spec_key: str, input_names, inputs) -> None:
+    """ValueError naming a runtime input that requires grad but is not read by the sink alone: the
+    backward kernels give no gradient of an input of the mask or score modifier."""
+    wanted = [name for name, t in zip(input_names or (), inputs or ()) if t.requires_grad]
+    if not wanted:
+        return
+    allowed = _SINK_INPUTS(spec_key)
+    for name in wanted:
+        if name not in allowed:
+            raise ValueError(f"inputs[{name!r}] requires grad, but gradients of runtime inputs are only supported "
+                             f"for the sink's (inputs only the sink reads: {list(allowed)}); allowed: detach "
+                             f"inputs[{name!r}] or call under torch.no_grad()")
+
+
+def _sink_inputs(spec_key: str) -> tuple[str, ...]:
+    """Names of the runtime inputs the spec's sink reads and neither its mask nor its score modifier."""
+    problem = _spec_from_key(spec_key).problem
+    if problem.sink is None:
+        return ()
+    others = {name for name, _ in masks.get_mask(problem.mask).program.inputs}
+    if problem.score_mod is not None:
+        others |= {name for name, _ in score_mods.get_score_mod(problem.score_mod).program.inputs}
+    return tuple(sorted({name for name, _ in score_mods.get_score_mod(problem.sink).program.inputs} - others))
+
+
+_SINK_INPUTS = _sink_inputs  # register() makes it a constant of torch.compile's traces
 
 
 def _split_inputs(inputs) -> tuple[list, list]:
@@ -235,6 +292,128 @@ def _forward_fake(q, k, v, spec_key: str, softmax_scale: float | None, input_nam
     return q.new_empty((B, Sq, Hq, D)), q.new_empty((B, Hq, Sq), dtype=_torch().float32)
 
 
+def _meta_info(name: str, t):
+    """The TensorInfo the checks read of a (possibly fake) torch tensor: no data pointer (0)."""
+    from attngen.runtime.tensors import TensorInfo
+
+    if not t.is_cuda:
+        raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+    return TensorInfo(name, "torch", 0, tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."),
+                      t.get_device())
+
+
+def _backward_impl(dout, q, k, v, out, lse, dlse, spec_key: str, softmax_scale: float | None, input_names=None,
+                   inputs=None):
+    from attngen.runtime.backward import backward_torch
+
+    return backward_torch(_torch(), dout, q, k, v, out, lse, dlse, _spec_from_key(spec_key), softmax_scale,
+                          list(input_names or ()), list(inputs or ()))
+
+
+def _backward_fake(dout, q, k, v, out, lse, dlse, spec_key: str, softmax_scale: float | None, input_names=None,
+                   inputs=None):
+    """Shapes and dtypes of dq (q's), dk and dv (k's), after the checks that need no data."""
+    from attngen.runtime import backward as runtime
+
+    spec = _spec_from_key(spec_key)
+    qi, ki, vi, oi, li, di = (_meta_info(name, t) for name, t in
+                              (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("dout", dout)))
+    dli = None if dlse is None else _meta_info("dlse", dlse)
+    runtime.check_backward_inputs(spec.problem, qi, ki, vi, oi, li, di, dli)
+    grads = [runtime.contiguous_info(name, ref.shape, ref.dtype, ref)
+             for name, ref in (("dq", qi), ("dk", ki), ("dv", ki))]
+    given = {name: _meta_info(f"inputs[{name!r}]", t) for name, t in zip(input_names or (), inputs or ())}
+    runtime.backward_call(spec.problem, qi, ki, vi, oi, li, di, dli, *grads, softmax_scale, given)
+    return q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    """Saves what the backward reads: q, k, v, the outputs, the runtime inputs and the call's arguments."""
+    q, k, v, spec_key, softmax_scale, input_names, tensors = inputs
+    _check_grad_inputs(spec_key, input_names, tensors)  # callers of the op itself, too
+    out, lse = output
+    ctx.set_materialize_grads(False)  # an output the loss ignores gets None, not a tensor of zeros
+    ctx.save_for_backward(q, k, v, out, lse, *(tensors or ()))
+    ctx.spec_key, ctx.softmax_scale = spec_key, softmax_scale
+    ctx.input_names = list(input_names or ())
+    ctx.has_inputs = tensors is not None  # the gradient of `inputs` mirrors its structure
+
+
+def _backward(ctx, grad_out, grad_lse):
+    """The forward op's autograd formula: dq, dk, dv by torch.ops.attngen.backward, the sink's inputs'
+    gradients in torch; None for the arguments that are not tensors."""
+    torch = _torch()
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    # One entry per argument the call passed (the dispatcher drops trailing defaults): q, k, v,
+    # spec_key, softmax_scale, then input_names and inputs (a list of bools) when passed.
+    needs = ctx.needs_input_grad
+    dq = dk = dv = input_grads = None
+    if grad_out is not None or grad_lse is not None:
+        dout = torch.zeros_like(out) if grad_out is None else _rows_aligned(grad_out)
+        dlse = None if grad_lse is None else grad_lse.contiguous()
+        if any(needs[:3]):
+            dq, dk, dv = torch.ops.attngen.backward(dout, q, k, v, out, lse, dlse, ctx.spec_key, ctx.softmax_scale,
+                                                    ctx.input_names, tensors if ctx.has_inputs else None)
+        input_grads = _input_grads(torch, ctx, needs, tensors, out, lse, dout, dlse, k.shape[1])
+    elif ctx.has_inputs:
+        input_grads = [None] * len(tensors)
+    # torch (2.11) checks the formula's output against the inputs' structure: an empty input_names
+    # list needs [], a non-empty one None.
+    names_grad = [] if not ctx.input_names else None
+    return (dq, dk, dv, None, None, names_grad, input_grads)[:len(needs)]
+
+
+def _input_grads(torch, ctx, needs, tensors, out, lse, dout, dlse, seq_k):
+    """The gradients of the `inputs` list (None for those not wanted), or None when none was passed."""
+    if not ctx.has_inputs:
+        return None
+    wanted = [name for name, need in zip(ctx.input_names, needs[6]) if need]
+    if not wanted:
+        return [None] * len(tensors)
+    sink = _spec_from_key(ctx.spec_key).problem.sink
+    grads = sink_grads(torch, sink, out, lse, dout, dlse, seq_k, dict(zip(ctx.input_names, tensors)), wanted)
+    return [grads.get(name) for name in ctx.input_names]
+
+
+def _rows_aligned(t):
+    """`t`, or a contiguous copy where the kernels could not read its rows (the expanded gradient of
+    a sum has stride 0; a view may start mid-chunk). Strides and offsets only: traceable."""
+    if t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.storage_offset() % 8 == 0:
+        return t
+    return t.contiguous()
+
+
+def sink_grads(torch, sink: str, out, lse, dout, dlse, seq_k: int, inputs: dict, wanted: list) -> dict:
+    """d loss / d input for the runtime inputs `wanted` (those only the sink reads), by name.
+
+    A row's sink logit s joins only the softmax's denominator, so with D = rowsum(dout * out) - dlse
+    (the backward kernels' D), d loss / d s = -exp(s - lse) * D: 0 in a row with lse = -inf (its
+    sink is -inf too). The logits are the sink's expression evaluated densely, as the reference
+    does, with autograd on, and the row gradients flow back through it to the inputs."""
+    from attngen.score_mods import get_score_mod
+
+    B, Sq, Hq, _ = out.shape
+    dtype = torch.promote_types(lse.dtype, torch.float32)
+    delta = (dout.to(dtype) * out.to(dtype)).sum(-1).transpose(1, 2)  # (B, Hq, Sq), like lse
+    if dlse is not None:
+        delta = delta - dlse.to(dtype)
+    device = lse.device
+    with torch.enable_grad():
+        leaves = {name: t.detach().requires_grad_(name in wanted) for name, t in inputs.items()}
+        zero = torch.zeros((), dtype=dtype, device=device)
+        b = torch.arange(B, device=device)[:, None, None]
+        h = torch.arange(Hq, device=device)[None, :, None]
+        q_idx = torch.arange(Sq, device=device)
+        logits = get_score_mod(sink).dense(zero, q_idx, 0, Sq, seq_k, b=b, h=h, inputs=leaves)
+        logits = torch.broadcast_to(logits, lse.shape)
+        # Subtracting a -inf LSE gives NaN; such a row's sink has weight 0.
+        weight = torch.where(lse == -float("inf"), 0.0, torch.exp(logits.detach() - lse.to(dtype)))
+        grads = torch.autograd.grad(logits, [leaves[name] for name in wanted], grad_outputs=-weight * delta,
+                                    allow_unused=True)
+    return {name: torch.zeros_like(inputs[name]) if g is None else g.to(inputs[name].dtype)
+            for name, g in zip(wanted, grads)}
+
+
 def _torch():
     import torch
 
@@ -245,19 +424,28 @@ _OP = None
 
 
 def register():
-    """Register torch.ops.attngen.forward, once; returns the op. Done when torch is imported, before
-    or after attngen (importing attngen needs no torch)."""
-    global _OP, _TEXTS
+    """Register torch.ops.attngen.forward (with its autograd formula) and attngen.backward, once;
+    returns the forward op. Done when torch is imported, before or after attngen (importing attngen
+    needs no torch)."""
+    global _OP, _TEXTS, _SINK_INPUTS
     if _OP is not None:
         return _OP
     torch = _torch()
     _TEXTS = torch.compiler.assume_constant_result(_texts)
+    _SINK_INPUTS = torch.compiler.assume_constant_result(_sink_inputs)
 
     @torch.library.custom_op(OP, mutates_args=(), schema=SCHEMA)
     def forward(q, k, v, spec_key, softmax_scale, input_names=None, inputs=None):
         return _forward_impl(q, k, v, spec_key, softmax_scale, input_names, inputs)
 
     forward.register_fake(_forward_fake)
+
+    @torch.library.custom_op(BACKWARD_OP, mutates_args=(), schema=BACKWARD_SCHEMA)
+    def backward(dout, q, k, v, out, lse, dlse, spec_key, softmax_scale, input_names=None, inputs=None):
+        return _backward_impl(dout, q, k, v, out, lse, dlse, spec_key, softmax_scale, input_names, inputs)
+
+    backward.register_fake(_backward_fake)
+    forward.register_autograd(_backward, setup_context=_setup_context)
     from attngen.decoding import register_op
 
     register_op(torch)

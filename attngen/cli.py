@@ -303,7 +303,9 @@ def tune(specs: tuple[Path, ...], seqlens: tuple[int, ...], batch_heads: tuple[i
               "expression vs the built-in causal, a 4096-key window and packed documents vs FlexAttention.")
 @click.option("--decode", is_flag=True, help="Decoding over a KV cache instead (attngen/bench_decode.py): one "
               "token per sequence against SDPA flash and cuDNN, contiguous and paged, and a CUDA-graph step.")
-def bench(out_dir: Path, quick: bool, masks: bool, decode: bool) -> None:
+@click.option("--backward", is_flag=True, help="Training attention instead (attngen/bench_backward.py): forward + "
+              "backward against SDPA flash and cuDNN, and the peak memory of forward + backward.")
+def bench(out_dir: Path, quick: bool, masks: bool, decode: bool, backward: bool) -> None:
     """Benchmark the kernels against torch SDPA and FlexAttention (needs a CUDA GPU)."""
     try:
         # All imported up front, so a missing one fails now rather than after minutes of timing.
@@ -319,6 +321,12 @@ def bench(out_dir: Path, quick: bool, masks: bool, decode: bool) -> None:
     if not torch.cuda.is_available():
         click.echo("error: attngen bench needs a CUDA GPU; torch.cuda.is_available() is False", err=True)
         raise SystemExit(2)
+    if backward:
+        from attngen.bench_backward import run_backward_bench
+
+        run_backward_bench(out_dir)
+        click.echo(f"backward benchmark written to {out_dir}")
+        return
     if decode:
         from attngen.bench_decode import run_decode_bench
 

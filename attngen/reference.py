@@ -10,6 +10,7 @@ float64 (or float32) so the kernels have an exact yardstick. The mask is the mas
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 
@@ -45,38 +46,51 @@ def attention(
     lowering = get_mask(mask)  # raises ValueError naming mask= and what is allowed
     modifier = None if score_mod is None else get_score_mod(score_mod)
     B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
     scale = _check_scale(softmax_scale, D)
+    dense = _grouped(q, k, v, lowering, modifier, sink, scale, ratio, inputs, batch_offset, compute_dtype)
+    out, lse = dense.out, dense.lse
 
+    out = out.reshape(B, Hq, Sq, D).permute(0, 2, 1, 3).to(q.dtype)
+    if not return_lse:
+        return out
+    return out, lse.reshape(B, Hq, Sq).to(torch.float32)
+
+
+def _grouped(q, k, v, lowering, modifier, sink, scale, ratio, inputs, batch_offset, compute_dtype):
+    """attention()'s dense computation with query heads grouped by the kv head they read: every
+    intermediate in the layout (B, Hkv, ratio, Sq, Sk) (rows: (B, Hkv, ratio, Sq))."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
     # Group query heads by the kv head they read: (B, Hkv, ratio, Sq, D). No copy of k/v.
     qg = q.to(compute_dtype).permute(0, 2, 1, 3).reshape(B, Hkv, ratio, Sq, D)
     kg = k.to(compute_dtype).permute(0, 2, 1, 3)
     vg = v.to(compute_dtype).permute(0, 2, 1, 3)
-    scores = torch.einsum("bgrqd,bgkd->bgrqk", qg, kg) * scale
+    raw = torch.einsum("bgrqd,bgkd->bgrqk", qg, kg) * scale
 
     # The mask over (batch, kv head, query head in group, row, key): query head h = g * ratio + r.
     q_idx = torch.arange(Sq, device=q.device)[:, None]
     kv_idx = torch.arange(Sk, device=q.device)[None, :]
     b = torch.arange(batch_offset, batch_offset + B, device=q.device)[:, None, None, None, None]
     h = torch.arange(Hq, device=q.device).reshape(1, Hkv, ratio, 1, 1)
+    scores = raw
     if modifier is not None:
         scores = modifier.dense(scores, q_idx, kv_idx, Sq, Sk, b=b, h=h, inputs=inputs)
     visible = torch.as_tensor(lowering.dense_visible(q_idx, kv_idx, Sq, Sk, b=b, h=h, inputs=inputs), device=q.device)
-    scores = scores.masked_fill(~torch.broadcast_to(visible, scores.shape), -math.inf)
+    visible = torch.broadcast_to(visible, scores.shape)
+    scores = scores.masked_fill(~visible, -math.inf)
 
     lse = torch.logsumexp(scores, dim=-1)  # -inf for a row with no visible key
+    sinks = None
     if sink is not None:
         zero = torch.zeros((), dtype=scores.dtype, device=q.device)
         sinks = get_score_mod(sink).dense(zero, q_idx[:, 0], 0, Sq, Sk, b=b[..., 0], h=h[..., 0], inputs=inputs)
-        lse = torch.logaddexp(lse, torch.broadcast_to(sinks, lse.shape))
+        sinks = torch.broadcast_to(sinks, lse.shape)
+        lse = torch.logaddexp(lse, sinks)
     # Subtracting a -inf LSE would give NaN; with 0 instead every exp(-inf) is exactly 0.
     probs = torch.exp(scores - torch.where(lse == -math.inf, 0.0, lse)[..., None])
     out = torch.einsum("bgrqk,bgkd->bgrqd", probs, vg)
-
-    out = out.reshape(B, Hq, Sq, D).permute(0, 2, 1, 3).to(q.dtype)
-    if not return_lse:
-        return out
-    return out, lse.reshape(B, Hq, Sq).to(torch.float32)
+    return SimpleNamespace(qg=qg, kg=kg, vg=vg, raw=raw, scores=scores, visible=visible, lse=lse, sinks=sinks,
+                           probs=probs, out=out, index=(q_idx, kv_idx, b, h))
 
 
 def attention_for_spec(
@@ -102,6 +116,117 @@ def attention_for_spec(
         return_lse=return_lse, compute_dtype=compute_dtype, score_mod=problem.score_mod, inputs=inputs,
         sink=problem.sink,
     )
+
+
+def attention_grads(
+    q, k, v, dout, *, mask: str = "none", softmax_scale: float | None = None, gqa_ratio: int | None = None,
+    score_mod: str | None = None, inputs: dict | None = None, sink: str | None = None, dlse=None,
+    grad_inputs: tuple = (), batch_offset: int = 0,
+):
+    """The float64 gradients of attention() for the loss sum(out * dout) + sum(lse * dlse):
+    (dq, dk, dv, parts), dq like q and dk, dv like k, all float64.
+
+    The gradients are torch autograd through attention() itself, computed in float64 (the
+    yardstick); `grad_inputs` names runtime inputs (a sink's, say) whose gradients are wanted too:
+    parts["dinputs"][name], float64. `parts` holds the dense float64 pieces the kernels compute
+    and attngen/tolerance.py bounds their errors with, grouped by kv head: (B, Hkv, ratio, Sq, Sk)
+    for "S" (scale * q.k), "Z" (modified and masked, -inf where hidden), "visible" (bool), "P",
+    "dP" (dout . v), "g1" and "g2" (the modifier's first and second derivatives in the score, by
+    autograd; None without a modifier) and "dS" = P * (dP - D) * g1 * scale; (B, Hkv, ratio, Sq)
+    for "lse" (float64, sink included), "D" (rowsum(dout * out) - dlse), "sinks" and "psink"
+    (exp(sink - lse); None without a sink); "out" (B, Hkv, ratio, Sq, D); "jacobian"[name]: d
+    sinks / d inputs[name], (B, Hkv, ratio, Sq, *shape); and "scale", "ratio". The dense pieces
+    agree with the autograd gradients (tests/test_tolerance_grads.py): dv = P^T dout, dk = dS^T q,
+    dq = dS k summed over each GQA group."""
+    f64 = torch.float64
+    ratio = _check_inputs(q, k, v, gqa_ratio, f64)
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    if not isinstance(dout, torch.Tensor) or tuple(dout.shape) != tuple(q.shape):
+        raise ValueError(f"dout has shape {tuple(getattr(dout, 'shape', ()))}; allowed: q's shape {tuple(q.shape)}")
+    if dlse is not None and tuple(dlse.shape) != (B, Hq, Sq):
+        raise ValueError(f"dlse has shape {tuple(dlse.shape)}; allowed: (batch, heads_q, seq_q) = {(B, Hq, Sq)}")
+    inputs = dict(inputs or {})
+    for name in grad_inputs:
+        if name not in inputs or not torch.is_floating_point(torch.as_tensor(inputs[name])):
+            raise ValueError(f"grad_inputs names {name!r}; allowed: a float tensor of inputs ({sorted(inputs)})")
+    lowering = get_mask(mask)
+    modifier = None if score_mod is None else get_score_mod(score_mod)
+    scale = _check_scale(softmax_scale, D)
+
+    q64, k64, v64 = (t.detach().to(f64).requires_grad_() for t in (q, k, v))
+    leaves = {name: inputs[name].detach().to(f64).requires_grad_() for name in grad_inputs}
+    inputs64 = {**inputs, **leaves}
+    dout64 = dout.detach().to(device=q.device, dtype=f64)
+    dlse64 = None if dlse is None else dlse.detach().to(device=q.device, dtype=f64)
+    with torch.enable_grad():
+        out, lse = attention(q64, k64, v64, mask=mask, softmax_scale=scale, gqa_ratio=ratio, return_lse=True,
+                             compute_dtype=f64, score_mod=score_mod, inputs=inputs64, sink=sink,
+                             batch_offset=batch_offset)
+        loss = (out * dout64).sum()
+        if dlse64 is not None:  # a row with lse -inf depends on nothing: gradient 0, not NaN
+            loss = loss + (torch.where(lse == -math.inf, 0.0, lse.to(f64)) * dlse64).sum()
+        wrt = [q64, k64, v64, *leaves.values()]
+        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(wrt, grads)]
+
+    with torch.no_grad():
+        plain = {name: t.detach() if isinstance(t, torch.Tensor) else t for name, t in inputs64.items()}
+        dense = _grouped(q64.detach(), k64.detach(), v64.detach(), lowering, modifier, sink, scale, ratio, plain,
+                         batch_offset, f64)
+        P, og, vg = dense.probs, dense.out, dense.vg
+        dog = dout64.permute(0, 2, 1, 3).reshape(B, Hkv, ratio, Sq, D)
+        dP = torch.einsum("bgrqd,bgkd->bgrqk", dog, vg)
+        delta = (dog * og).sum(-1)
+        if dlse64 is not None:
+            delta = delta - dlse64.reshape(B, Hkv, ratio, Sq)
+        g1 = g2 = None
+        if modifier is not None:
+            g1, g2 = _modifier_derivatives(modifier, dense, Sq, Sk, plain)
+        dS = P * (dP - delta[..., None]) * (1.0 if g1 is None else g1) * scale
+        psink = None
+        if dense.sinks is not None:
+            psink = torch.where(dense.lse == -math.inf, 0.0, torch.exp(dense.sinks - dense.lse))
+    jacobian = {}
+    for name, leaf in leaves.items():
+        jacobian[name] = _sink_jacobian(sink, leaf.detach(), name, plain, dense, Sq, Sk)
+    parts = {
+        "scale": scale, "ratio": ratio, "S": dense.raw, "Z": dense.scores, "visible": dense.visible, "P": P,
+        "dP": dP, "g1": g1, "g2": g2, "dS": dS, "lse": dense.lse, "D": delta, "sinks": dense.sinks,
+        "psink": psink, "out": og, "jacobian": jacobian, "dinputs": dict(zip(leaves, grads[3:])),
+    }
+    return grads[0], grads[1], grads[2], parts
+
+
+def _modifier_derivatives(modifier, dense, Sq: int, Sk: int, inputs):
+    """d Z / d S and d^2 Z / d S^2 of an elementwise score modifier, by float64 autograd, dense."""
+    q_idx, kv_idx, b, h = dense.index
+    with torch.enable_grad():
+        s = dense.raw.detach().requires_grad_()
+        z = torch.broadcast_to(modifier.dense(s, q_idx, kv_idx, Sq, Sk, b=b, h=h, inputs=inputs), s.shape)
+        (g1,) = torch.autograd.grad(z.sum(), s, create_graph=True, allow_unused=True)
+        if g1 is None:  # a modifier that ignores the score
+            return torch.zeros_like(s), torch.zeros_like(s)
+        g2 = None
+        if g1.requires_grad:
+            (g2,) = torch.autograd.grad(g1.sum(), s, allow_unused=True)
+    g1 = torch.broadcast_to(g1.detach(), s.shape)
+    return g1, torch.zeros_like(s) if g2 is None else g2.detach()
+
+
+def _sink_jacobian(sink, x, name, inputs, dense, Sq: int, Sk: int):
+    """d sinks / d inputs[name]: (B, Hkv, ratio, Sq, *x.shape), float64 (forward-mode, one pass
+    per element of the input)."""
+    q_idx, _, b, h = dense.index
+    program = get_score_mod(sink)
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    shape = dense.lse.shape
+
+    def sinks(value):
+        logits = program.dense(zero, q_idx[:, 0], 0, Sq, Sk, b=b[..., 0], h=h[..., 0], inputs={**inputs, name: value})
+        return torch.broadcast_to(logits, shape)
+
+    return torch.autograd.functional.jacobian(sinks, x, vectorize=True, strategy="forward-mode")
 
 
 def gather_cache(cache: torch.Tensor, page_table: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:

@@ -120,8 +120,8 @@ def test_user_mistakes_are_clear_errors():
         attngen.attention(q, q, q, AttentionSpec(head_dim=64, mask="causal"), mask="none")
     with pytest.raises(ValueError, match="spec must be an attngen.AttentionSpec or None, got dict"):
         attngen.attention(q, q, q, {"head_dim": 64})
-    with pytest.raises(ValueError, match="q, k or v requires grad"):
-        attngen.attention(q.requires_grad_(), q, q)
+    with pytest.raises(ValueError, match="q must be a CUDA tensor, got device cpu"):  # with grad: the op path
+        attngen.attention(q.clone().requires_grad_(), q, q)
     with pytest.raises(ValueError, match="dtype float32; allowed: float16, bfloat16"):
         attngen.attention(torch.randn(1, 4, 2, 64), torch.randn(1, 4, 2, 64), torch.randn(1, 4, 2, 64))
 

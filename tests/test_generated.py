@@ -113,7 +113,7 @@ def cuobjdump_found() -> bool:
 
 
 # The tensor-core instruction each family's kernels must be made of (their SASS, read with cuobjdump).
-TENSOR_CORE_SASS = {"fwd_sm80": "HMMA", "fwd_sm90": "HGMMA", "decode_sm80": "HMMA"}
+TENSOR_CORE_SASS = {"fwd_sm80": "HMMA", "fwd_sm90": "HGMMA", "decode_sm80": "HMMA", "bwd_sm80": "HMMA"}
 
 
 @needs_nvcc

@@ -2,7 +2,8 @@
 on the GPU at hand (a spec may pin one by name).
 
 Adding a family: a folder beside fwd_sm80/ whose __init__.py exposes FAMILY (a KernelFamily,
-attngen/families/base.py), and its name in REGISTERED (forward) or DECODE_REGISTERED (decode).
+attngen/families/base.py), and its name in REGISTERED (forward), DECODE_REGISTERED (decode) or
+BACKWARD_REGISTERED (the forward's gradients).
 Nothing else names families.
 """
 
@@ -16,6 +17,8 @@ from attngen.families.base import KernelFamily, Plan
 REGISTERED = ("fwd_sm90", "fwd_sm80")
 # Families of the decode front door (attngen.decode): a call of new tokens against a KV cache.
 DECODE_REGISTERED = ("decode_sm80",)
+# Families of attention()'s backward: q, k, v gradients from the forward's output and LSE.
+BACKWARD_REGISTERED = ("bwd_sm80",)
 
 FAMILIES: dict[str, KernelFamily] = {
     name: importlib.import_module(f"attngen.families.{name}").FAMILY for name in REGISTERED
@@ -23,22 +26,34 @@ FAMILIES: dict[str, KernelFamily] = {
 DECODE_FAMILIES: dict[str, KernelFamily] = {
     name: importlib.import_module(f"attngen.families.{name}").FAMILY for name in DECODE_REGISTERED
 }
+BACKWARD_FAMILIES: dict[str, KernelFamily] = {
+    name: importlib.import_module(f"attngen.families.{name}").FAMILY for name in BACKWARD_REGISTERED
+}
+OPERATIONS = ("forward", "decode", "backward")
+
+
+def _registries() -> dict[str, dict[str, KernelFamily]]:
+    # Looked up at each call: tests replace a module-level registry.
+    return {"forward": FAMILIES, "decode": DECODE_FAMILIES, "backward": BACKWARD_FAMILIES}
 
 
 def get_family(name: str) -> KernelFamily:
-    """A forward or decode family by name."""
-    try:
-        return FAMILIES[name] if name in FAMILIES else DECODE_FAMILIES[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"family={name!r} is invalid; allowed: {', '.join([*FAMILIES, *DECODE_FAMILIES])}") \
-            from None
+    """A forward, decode or backward family by name."""
+    for families in _registries().values():
+        try:
+            if name in families:
+                return families[name]
+        except TypeError:
+            break
+    raise ValueError(f"family={name!r} is invalid; allowed: {', '.join(n for f in _registries().values() for n in f)}")
 
 
 def registry(operation: str) -> dict[str, KernelFamily]:
-    """The families of one front door: "forward" (attention()) or "decode" (attngen.decode())."""
-    if operation not in ("forward", "decode"):
-        raise ValueError(f"operation={operation!r} is invalid; allowed: forward, decode")
-    return FAMILIES if operation == "forward" else DECODE_FAMILIES
+    """The families of one front door: "forward" (attention()), "decode" (attngen.decode()) or
+    "backward" (attention()'s gradients)."""
+    if operation not in OPERATIONS:
+        raise ValueError(f"operation={operation!r} is invalid; allowed: {', '.join(OPERATIONS)}")
+    return _registries()[operation]
 
 
 def supporting(problem, target, operation: str = "forward") -> list[KernelFamily]:

@@ -15,7 +15,8 @@ folder (Python, templates, headers) and implements `KernelFamily`:
   accepts(plan, call)           -> None, or why these tensors need another family (a layout TMA
                                    cannot describe, say): the dispatcher then falls back
   workspace_bytes(plan, call)   scratch memory one call needs (0 by default)
-  operation                     "forward" (attention()) or "decode" (decode(): its call is a DecodeCall)
+  operation                     "forward" (attention()), "decode" (decode(): its call is a DecodeCall) or
+                                "backward" (attention()'s gradients: its call is a BackwardCall)
   num_splits(plan, call, target) a decode family's split count when the caller gives none
   launches(plan, call)          -> the ordered kernels of one call: grids, blocks, packed parameters
   estimate(plan, report, gpu, shape) -> the tuner's predicted time
@@ -264,6 +265,33 @@ class DecodeCall:
 
 
 @dataclass(frozen=True)
+class BackwardCall:
+    """The validated arguments of one backward call (attngen/runtime/backward.py made them): the
+    gradients of a forward call's q, k, v from its outputs' gradients."""
+
+    q: "TensorInfo"  # (batch, seq_q, heads_q, head_dim): the forward's inputs
+    k: "TensorInfo"  # (batch, seq_k, heads_kv, head_dim)
+    v: "TensorInfo"
+    out: "TensorInfo"  # the forward's output, like q
+    lse: "TensorInfo"  # the forward's LSE, (batch, heads_q, seq_q) float32 contiguous
+    dout: "TensorInfo"  # d loss / d out, q's shape and dtype
+    dlse: "TensorInfo | None"  # d loss / d lse, like lse, or None when the loss does not read the LSE
+    dq: "TensorInfo"  # the gradients (outputs): q's shape and dtype
+    dk: "TensorInfo"  # k's shape and dtype
+    dv: "TensorInfo"
+    softmax_scale: float
+    workspace: int = 0  # device address of workspace_bytes() of scratch, when asked for
+    inputs: tuple = ()  # ((name, TensorInfo), ...) sorted: the runtime inputs the expressions read
+
+    input = ForwardCall.input
+    batch = ForwardCall.batch
+    seq_q = ForwardCall.seq_q
+    seq_k = ForwardCall.seq_k
+    heads_q = ForwardCall.heads_q
+    heads_kv = ForwardCall.heads_kv
+
+
+@dataclass(frozen=True)
 class Launch:
     """One kernel launch of a call, in order."""
 
@@ -276,7 +304,7 @@ class Launch:
 
 class KernelFamily(ABC):
     name: ClassVar[str]
-    operation: ClassVar[str] = "forward"  # or "decode": the front door each family serves
+    operation: ClassVar[str] = "forward"  # or "decode", "backward": the front door each family serves
     description: ClassVar[str]
     folder: ClassVar[Path]  # templates and headers
     config_fields: ClassVar[dict[str, tuple]]  # field -> allowed values (in the tuner's order)

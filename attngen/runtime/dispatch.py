@@ -195,9 +195,12 @@ def remember(memo: dict, key: tuple, prepared: Prepared) -> Prepared:
 
 def forget() -> None:
     """Drop every memoized resolution (tests observe what a fresh process would resolve)."""
+    from attngen.runtime import backward
+
     _resolved.clear()
     _prepared.clear()
     eager_prepared.clear()
+    backward.forget()
 
 
 def prepare(q, k, v, spec: AttentionSpec, softmax_scale: float | None = None, inputs=None) -> Prepared:

@@ -1,0 +1,432 @@
+// ---- flash_bwd.cuh: FlashAttention-2 backward, one (key block, kv head, batch) per CTA ----
+// Needs, from the rendered template: struct BwdParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N, SUB_M,
+// NUM_WARPS, NUM_STAGES, GQA_RATIO, IS_BF16, elem_t }, namespace mask { Bounds, bounds, visible }
+// (attngen/cuda/mask.cuh.j2) and namespace score { MODIFIED, modify, modify_grad }
+// (attngen/cuda/score_mod.cuh.j2). attngen/families/bwd_sm80/family.py says what each kernel does.
+
+namespace fb {
+
+using namespace cfg;
+
+constexpr int THREADS = NUM_WARPS * 32;
+#define NEG_INF (-__int_as_float(0x7f800000))
+#define POS_INF (__int_as_float(0x7f800000))
+constexpr int WARP_N = BLOCK_N / NUM_WARPS;  // keys one warp owns: its rows of S^T, dP^T, dK, dV
+constexpr int MT = WARP_N / 16;              // m16 tiles of keys per warp
+constexpr int NT = SUB_M / 8;                // n8 tiles of S^T (query columns) per register step
+constexpr int DT = HEAD_DIM / 8;             // n8 tiles of dK/dV per m16 tile
+constexpr int DK = HEAD_DIM / 16;            // k16 steps of K.Q^T and V.dO^T
+constexpr int PK = SUB_M / 16;               // k16 steps of P^T.dO and dS^T.Q
+// One 16-byte pad per row: 8 consecutive rows fall in 8 distinct bank groups (ldmatrix, cp.async).
+constexpr int ROW = HEAD_DIM + 8;
+constexpr int ROW_BYTES = ROW * 2;
+constexpr int CHUNKS = HEAD_DIM / 8;         // 16-byte chunks per row
+constexpr int DS_ROW = BLOCK_M + 8;          // dS^T rows (keys) of BLOCK_M query columns, padded
+constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
+constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
+constexpr int STAGE_BYTES = 2 * Q_TILE_BYTES + 2 * BLOCK_M * 4;  // Q, dO, then the rows' lse2 and delta
+constexpr int DS_BYTES = BLOCK_N * DS_ROW * 2;
+constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + NUM_STAGES * STAGE_BYTES + DS_BYTES;  // family.py smem_bytes()
+// dQ of one query block: (BLOCK_M / 16 / DQ_MT) x (HEAD_DIM / DQ_N) items of DQ_MT m16 tiles of rows by
+// DQ_N columns, shared by the warps (32 x 32 reads each K and dS element half as often as 16 x 32).
+constexpr int DQ_N = 32;
+constexpr int DQ_MT = BLOCK_M >= 32 ? 2 : 1;
+constexpr int DQ_ITEMS = (BLOCK_M / 16 / DQ_MT) * (HEAD_DIM / DQ_N);
+
+static_assert(WARP_N == 16 || WARP_N == 32, "a warp owns one or two m16 tiles of keys");
+static_assert(SUB_M % 16 == 0 && BLOCK_M % SUB_M == 0 && HEAD_DIM % 16 == 0, "tiles are whole k16 steps");
+
+using Params = BwdParams;
+
+// One element's bits (the low 16 of `bits`) as a float.
+__device__ __forceinline__ float to_float(u32 bits) {
+    if constexpr (IS_BF16) {
+        return __uint_as_float(bits << 16);
+    } else {
+        float f;
+        asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"((u16)bits));
+        return f;
+    }
+}  // generated from the family's argument list (attngen/families/bwd_sm80/family.py)
+
+// Copy ROWS x HEAD_DIM elements from global row `row0` into a padded smem tile; rows at or past
+// `row_end` are zero-filled (their source clamped to row0, which callers keep in range).
+template <int ROWS>
+__device__ __forceinline__ void load_tile(u32 dst, const elem_t* base, i64 row_stride, int row0, int row_end) {
+    constexpr int TOTAL = ROWS * CHUNKS;
+#pragma unroll
+    for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
+        const int c = threadIdx.x + i * THREADS;
+        if (TOTAL % THREADS == 0 || c < TOTAL) {
+            const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+            const bool in = row0 + r < row_end;
+            cp_async_16(dst + r * ROW_BYTES + col * 2, base + (i64)(in ? row0 + r : row0) * row_stride + col, in);
+        }
+    }
+}
+
+// Adds one m16 x n8 accumulator tile (rows r0.., columns c0..) to the fp32 dQ rows of a block.
+// Hopper reduces 16 bytes per instruction: lanes t and t^1 swap halves so that each holds four
+// consecutive columns of one row (even t: row g, odd t: row g + 8), a quarter of the scalar adds.
+__device__ __forceinline__ void add_dq(float* rows, int r0, int c0, const float (&acc)[4], int m0, int Sq) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    if constexpr (VECTOR_RED) {
+        const bool odd = t & 1;
+        // Even t sends its row g + 8 pair and receives the partner's row g pair; odd t the reverse.
+        const float send0 = odd ? acc[0] : acc[2], send1 = odd ? acc[1] : acc[3];
+        const float got0 = __shfl_xor_sync(0xffffffffu, send0, 1), got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
+        const int r = r0 + g + (odd ? 8 : 0), c = c0 + 2 * (t & ~1);
+        const float4 v = odd ? make_float4(got0, got1, acc[2], acc[3]) : make_float4(acc[0], acc[1], got0, got1);
+        if (m0 + r < Sq) {
+            float* dst = rows + (i64)r * HEAD_DIM + c;
+            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n"
+                         ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+        }
+    } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = r0 + g + 8 * h;
+            if (m0 + r < Sq) {
+                float* dst = rows + (i64)r * HEAD_DIM + c0 + 2 * t;
+                atomicAdd(dst, acc[2 * h]);
+                atomicAdd(dst + 1, acc[2 * h + 1]);
+            }
+        }
+    }
+}
+
+// One query block of one query head, as the CTA walks them: (head in the group, block) flattened.
+struct Item {
+    int head, m0;
+    bool full;  // every (query, key) of the block and this CTA's keys is visible: no per-element mask
+};
+
+__device__ __forceinline__ void flash_bwd(const Params& p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const u32 sK = smem_u32(smem), sV = sK + KV_TILE_BYTES;
+    const u32 sStages = sV + KV_TILE_BYTES;
+    const u32 sDS = sStages + NUM_STAGES * STAGE_BYTES;
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;  // mma fragment row group and column pair
+    // Key blocks first: under a causal mask the first ones are seen by the most query blocks.
+    const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    const int Sq = p.Sq, Sk = p.Sk;
+    const int n0 = n_block * BLOCK_N, n1 = min(n0 + BLOCK_N, Sk);
+    const int m_blocks = (Sq + BLOCK_M - 1) / BLOCK_M;
+    const int items = GQA_RATIO * m_blocks;
+
+    const elem_t* k_base = p.k + batch * p.k_sb + kv_head * p.k_sh;
+    const elem_t* v_base = p.v + batch * p.v_sb + kv_head * p.v_sh;
+    load_tile<BLOCK_N>(sK, k_base, p.k_ss, n0, Sk);
+    load_tile<BLOCK_N>(sV, v_base, p.v_ss, n0, Sk);
+    cp_async_commit();
+
+    // The mask's classification of (query block, this key block): query blocks none of whose rows
+    // sees a key here are never loaded.
+    auto item_at = [&](int it, bool& visible_here) {
+        Item item;
+        item.head = kv_head * GQA_RATIO + it / m_blocks;
+        item.m0 = (it % m_blocks) * BLOCK_M;
+        const mask::Bounds b = mask::bounds(item.m0, min(item.m0 + BLOCK_M, Sq), Sq, Sk, batch, item.head, p);
+        visible_here = b.kv_begin < b.kv_end && b.kv_begin < n1 && b.kv_end > n0;
+        item.full = n0 >= b.full_begin && n0 + BLOCK_N <= b.full_end;
+        return item;
+    };
+    auto next_visible = [&](int it) {
+        bool visible_here = false;
+        for (; it < items; ++it) {
+            item_at(it, visible_here);
+            if (visible_here) break;
+        }
+        return it;
+    };
+    auto load_item = [&](int it, int stage) {
+        bool unused;
+        const Item item = item_at(it, unused);
+        const u32 sQ = sStages + stage * STAGE_BYTES, sO = sQ + Q_TILE_BYTES, sRows = sO + Q_TILE_BYTES;
+        load_tile<BLOCK_M>(sQ, p.q + batch * p.q_sb + item.head * p.q_sh, p.q_ss, item.m0, Sq);
+        load_tile<BLOCK_M>(sO, p.dout + batch * p.dout_sb + item.head * p.dout_sh, p.dout_ss, item.m0, Sq);
+        // lse2 and delta of the block's rows: the workspace is padded to whole blocks.
+        const i64 row0 = ((i64)batch * p.Hq + item.head) * p.Sq_pad + item.m0;
+        for (int c = threadIdx.x; c < 2 * BLOCK_M / 4; c += THREADS) {
+            const float* src = (c < BLOCK_M / 4 ? p.lse2 : p.delta) + row0 + (c % (BLOCK_M / 4)) * 4;
+            cp_async_16(sRows + c * 16, src, true);
+        }
+        cp_async_commit();
+    };
+
+    // Per-lane ldmatrix offsets (bytes). A operand, rows = keys (K or V): matrices (rows 0-7, k 0-7),
+    // (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
+    const u32 a_lane = ((warp * WARP_N + (lane % 8) + 8 * ((lane / 8) % 2)) * ROW + 8 * (lane / 16)) * 2;
+    // B operand of K.Q^T and V.dO^T (rows = queries, k = head dim): (rows 0-7, k 0-7), (rows 0-7, k 8-15), ...
+    const u32 b_lane = (((lane % 8) + 8 * (lane / 16)) * ROW + 8 * ((lane / 8) % 2)) * 2;
+    // B operand transposed (rows = the k dimension): (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), ...
+    const u32 bt_lane = (((lane % 8) + 8 * ((lane / 8) % 2)) * ROW + 8 * (lane / 16)) * 2;
+    // A operand of dS.K read transposed from dS^T (rows = keys): matrix i holds keys 8*(i/2).., queries 8*(i%2)..
+    const u32 ds_lane = (((lane % 8) + 8 * (lane / 16)) * DS_ROW + 8 * ((lane / 8) % 2)) * 2;
+
+    float dk_acc[MT][DT][4], dv_acc[MT][DT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) dk_acc[mt][dt][i] = dv_acc[mt][dt][i] = 0.f;
+
+    int cur = next_visible(0);
+    if (cur < items) load_item(cur, 0);
+    int stage = 0;
+#pragma unroll 1
+    while (cur < items) {
+        bool unused;
+        const Item item = item_at(cur, unused);
+        const int next = next_visible(cur + 1);
+        cp_async_wait<0>();
+        __syncthreads();  // this block's Q/dO landed; every warp is done with the previous block
+        if constexpr (NUM_STAGES == 2) {
+            if (next < items) load_item(next, stage ^ 1);  // overlaps this block's compute
+        }
+        const u32 sQ = sStages + stage * STAGE_BYTES, sO = sQ + Q_TILE_BYTES;
+        const float* rows = reinterpret_cast<const float*>(smem + (sO + Q_TILE_BYTES - sK));
+        const float* lse2_rows = rows;
+        const float* delta_rows = rows + BLOCK_M;
+
+#pragma unroll 1
+        for (int sub = 0; sub < BLOCK_M / SUB_M; ++sub) {
+            const int c0 = sub * SUB_M;  // first query column of this step within the block
+            // S^T = K Q^T and dP^T = V dO^T for this warp's keys.
+            float s_acc[MT][NT][4], dp_acc[MT][NT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) s_acc[mt][nt][i] = dp_acc[mt][nt][i] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < DK; ++kk) {
+                u32 ak[MT][4], av[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    ldmatrix_x4(ak[mt], sK + a_lane + (mt * 16 * ROW + kk * 16) * 2);
+                    ldmatrix_x4(av[mt], sV + a_lane + (mt * 16 * ROW + kk * 16) * 2);
+                }
+#pragma unroll
+                for (int np = 0; np < NT / 2; ++np) {
+                    u32 bq[4], bo[4];
+                    ldmatrix_x4(bq, sQ + b_lane + ((c0 + np * 16) * ROW + kk * 16) * 2);
+                    ldmatrix_x4(bo, sO + b_lane + ((c0 + np * 16) * ROW + kk * 16) * 2);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_16816<IS_BF16>(s_acc[mt][2 * np], ak[mt], bq[0], bq[1]);
+                        mma_16816<IS_BF16>(s_acc[mt][2 * np + 1], ak[mt], bq[2], bq[3]);
+                        mma_16816<IS_BF16>(dp_acc[mt][2 * np], av[mt], bo[0], bo[1]);
+                        mma_16816<IS_BF16>(dp_acc[mt][2 * np + 1], av[mt], bo[2], bo[3]);
+                    }
+                }
+            }
+
+            // P^T = exp(score - lse) and dS^T = P^T (dP^T - delta) * d score_mod / d score * scale, both
+            // rounded and packed as A operands (two n8 accumulator tiles make one k16 step).
+            u32 p_frag[MT][PK][4], ds_frag[MT][PK][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const int k_row = n0 + warp * WARP_N + mt * 16 + g;  // this lane's keys: k_row, k_row + 8
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const int col = c0 + nt * 8 + 2 * t;  // this lane's queries within the block: col, col + 1
+                    float pv[4], dsv[4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int q = item.m0 + col + (i % 2), k = k_row + 8 * (i / 2);
+                        const float lse2 = lse2_rows[col + (i % 2)], delta = delta_rows[col + (i % 2)];
+                        // Positions outside the tensors: never handed to the modifier or the mask,
+                        // whose runtime inputs are only checked over them.
+                        const bool in = q < Sq && k < Sk;
+                        float x = s_acc[mt][nt][i], grad = 1.f;
+                        if constexpr (score::MODIFIED) {
+                            if (in) {
+                                const float scaled = x * p.scale;
+                                grad = score::modify_grad(scaled, q, k, Sq, Sk, batch, item.head, p);
+                                x = score::modify(scaled, q, k, Sq, Sk, batch, item.head, p) * 1.4426950408889634f;
+                            }
+                        } else {
+                            x *= p.scale_log2;
+                        }
+                        const bool shown = item.full ? in : in && mask::visible(q, k, Sq, Sk, batch, item.head, p);
+                        const float pr = shown ? fast_exp2(x - lse2) : 0.f;
+                        pv[i] = pr;
+                        dsv[i] = shown ? pr * (dp_acc[mt][nt][i] - delta) * grad * p.scale : 0.f;
+                    }
+                    const int kk = nt / 2, half = nt % 2;
+                    p_frag[mt][kk][2 * half] = pack2<IS_BF16>(pv[0], pv[1]);
+                    p_frag[mt][kk][2 * half + 1] = pack2<IS_BF16>(pv[2], pv[3]);
+                    ds_frag[mt][kk][2 * half] = pack2<IS_BF16>(dsv[0], dsv[1]);
+                    ds_frag[mt][kk][2 * half + 1] = pack2<IS_BF16>(dsv[2], dsv[3]);
+                }
+            }
+
+            // dS^T to shared memory for dQ = dS K, which needs every warp's keys.
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const int r = warp * WARP_N + mt * 16 + g;
+#pragma unroll
+                for (int kk = 0; kk < PK; ++kk)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int col = c0 + kk * 16 + half * 8 + 2 * t;
+                        *reinterpret_cast<u32*>(smem + (sDS - sK) + (r * DS_ROW + col) * 2) = ds_frag[mt][kk][2 * half];
+                        *reinterpret_cast<u32*>(smem + (sDS - sK) + ((r + 8) * DS_ROW + col) * 2) =
+                            ds_frag[mt][kk][2 * half + 1];
+                    }
+            }
+
+            // dV += P^T dO and dK += dS^T Q: A from registers, B transposed from the stage.
+#pragma unroll
+            for (int kk = 0; kk < PK; ++kk) {
+#pragma unroll
+                for (int dp = 0; dp < DT / 2; ++dp) {
+                    u32 bo[4], bq[4];
+                    ldmatrix_x4_trans(bo, sO + bt_lane + ((c0 + kk * 16) * ROW + dp * 16) * 2);
+                    ldmatrix_x4_trans(bq, sQ + bt_lane + ((c0 + kk * 16) * ROW + dp * 16) * 2);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_16816<IS_BF16>(dv_acc[mt][2 * dp], p_frag[mt][kk], bo[0], bo[1]);
+                        mma_16816<IS_BF16>(dv_acc[mt][2 * dp + 1], p_frag[mt][kk], bo[2], bo[3]);
+                        mma_16816<IS_BF16>(dk_acc[mt][2 * dp], ds_frag[mt][kk], bq[0], bq[1]);
+                        mma_16816<IS_BF16>(dk_acc[mt][2 * dp + 1], ds_frag[mt][kk], bq[2], bq[3]);
+                    }
+                }
+            }
+        }
+
+        __syncthreads();  // dS^T of every warp's keys is in shared memory
+        // dQ += dS K for the block's rows, added to the fp32 accumulator: items of DQ_MT m16 tiles of
+        // rows by DQ_N columns, each B fragment of K used for every m16 tile.
+        float* dq_rows = p.dq_acc + (((i64)batch * p.Hq + item.head) * p.Sq_pad + item.m0) * HEAD_DIM;
+#pragma unroll 1
+        for (int w = warp; w < DQ_ITEMS; w += NUM_WARPS) {
+            const int mq = w / (HEAD_DIM / DQ_N) * DQ_MT, d0 = (w % (HEAD_DIM / DQ_N)) * DQ_N;
+            float acc[DQ_MT][DQ_N / 8][4];
+#pragma unroll
+            for (int mt = 0; mt < DQ_MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < DQ_N / 8; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+                u32 a[DQ_MT][4];
+#pragma unroll
+                for (int mt = 0; mt < DQ_MT; ++mt)
+                    ldmatrix_x4_trans(a[mt], sDS + ds_lane + (kk * 16 * DS_ROW + (mq + mt) * 16) * 2);
+#pragma unroll
+                for (int dp = 0; dp < DQ_N / 16; ++dp) {
+                    u32 b[4];
+                    ldmatrix_x4_trans(b, sK + bt_lane + (kk * 16 * ROW + d0 + dp * 16) * 2);
+#pragma unroll
+                    for (int mt = 0; mt < DQ_MT; ++mt) {
+                        mma_16816<IS_BF16>(acc[mt][2 * dp], a[mt], b[0], b[1]);
+                        mma_16816<IS_BF16>(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < DQ_MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < DQ_N / 8; ++nt)
+                    add_dq(dq_rows, (mq + mt) * 16, d0 + nt * 8, acc[mt][nt], item.m0, Sq);
+        }
+
+        if constexpr (NUM_STAGES == 1) {
+            if (next < items) {
+                __syncthreads();  // every warp is done with the stage and dS^T
+                load_item(next, 0);
+            }
+        } else {
+            stage ^= 1;
+        }
+        cur = next;
+    }
+
+    // Epilogue: dK and dV through this warp's own K and V rows in shared memory, so global stores
+    // are full 16-byte rows. Keys no query sees get zeros.
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done reading K for dQ
+    elem_t* dk_base = p.dk + batch * p.dk_sb + kv_head * p.dk_sh;
+    elem_t* dv_base = p.dv + batch * p.dv_sb + kv_head * p.dv_sh;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = warp * WARP_N + mt * 16 + g + 8 * h;
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt) {
+                const int off = r * ROW_BYTES + (dt * 8 + 2 * t) * 2;
+                *reinterpret_cast<u32*>(smem + off) = pack2<IS_BF16>(dk_acc[mt][dt][2 * h], dk_acc[mt][dt][2 * h + 1]);
+                *reinterpret_cast<u32*>(smem + KV_TILE_BYTES + off) =
+                    pack2<IS_BF16>(dv_acc[mt][dt][2 * h], dv_acc[mt][dt][2 * h + 1]);
+            }
+        }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < WARP_N * CHUNKS / 32; ++i) {
+        const int c = lane + i * 32;
+        const int r = warp * WARP_N + c / CHUNKS, col = (c % CHUNKS) * 8;
+        if (n0 + r < Sk) {
+            *reinterpret_cast<uint4*>(dk_base + (i64)(n0 + r) * p.dk_ss + col) =
+                *reinterpret_cast<const uint4*>(smem + r * ROW_BYTES + col * 2);
+            *reinterpret_cast<uint4*>(dv_base + (i64)(n0 + r) * p.dv_ss + col) =
+                *reinterpret_cast<const uint4*>(smem + KV_TILE_BYTES + r * ROW_BYTES + col * 2);
+        }
+    }
+}
+
+// Per query row (one warp each): delta = rowsum(dO * O) - dLSE, lse2 = LSE * log2(e) (+inf for a
+// row that saw no key: every P of it is then exp2(-inf) = 0), and the row's dQ accumulator zeroed.
+// Rows from Sq to Sq_pad get delta 0 and lse2 +inf, so the main kernel reads whole blocks.
+__device__ __forceinline__ void prep(const Params& p) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * (PREP_THREADS / 32) + warp, head = blockIdx.y, batch = blockIdx.z;
+    if (row >= p.Sq_pad) return;
+    const i64 flat = ((i64)batch * p.Hq + head) * p.Sq_pad + row;
+    float4* dq = reinterpret_cast<float4*>(p.dq_acc + flat * HEAD_DIM);
+    for (int c = lane; c < HEAD_DIM / 4; c += 32) dq[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    float dot = 0.f, lse = NEG_INF, dlse = 0.f;
+    if (row < p.Sq) {
+        const elem_t* o = p.o + batch * p.out_sb + (i64)row * p.out_ss + head * p.out_sh;
+        const elem_t* d = p.dout + batch * p.dout_sb + (i64)row * p.dout_ss + head * p.dout_sh;
+        for (int c = lane; c < HEAD_DIM / 2; c += 32) {
+            const u32 ov = reinterpret_cast<const u32*>(o)[c], dv = reinterpret_cast<const u32*>(d)[c];
+            dot += to_float(ov & 0xffffu) * to_float(dv & 0xffffu) + to_float(ov >> 16) * to_float(dv >> 16);
+        }
+        const i64 lse_at = ((i64)batch * p.Hq + head) * p.Sq + row;
+        lse = p.lse[lse_at];
+        if (p.dlse != nullptr) dlse = p.dlse[lse_at];
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, s);
+    if (lane == 0) {
+        p.delta[flat] = row < p.Sq ? dot - dlse : 0.f;
+        p.lse2[flat] = lse == NEG_INF ? POS_INF : lse * 1.4426950408889634f;
+    }
+}
+
+// dQ from the fp32 accumulator, in dQ's dtype and layout: 8 elements (one 16-byte store) per thread.
+__device__ __forceinline__ void convert_dq(const Params& p) {
+    constexpr int ROWS = DQ_THREADS / CHUNKS;
+    const int r = threadIdx.x / CHUNKS, col = (threadIdx.x % CHUNKS) * 8;
+    const int row = blockIdx.x * ROWS + r, head = blockIdx.y, batch = blockIdx.z;
+    if (r >= ROWS || row >= p.Sq) return;
+    const float4* src = reinterpret_cast<const float4*>(
+        p.dq_acc + (((i64)batch * p.Hq + head) * p.Sq_pad + row) * HEAD_DIM + col);
+    const float4 a = src[0], b = src[1];
+    uint4 out;
+    out.x = pack2<IS_BF16>(a.x, a.y);
+    out.y = pack2<IS_BF16>(a.z, a.w);
+    out.z = pack2<IS_BF16>(b.x, b.y);
+    out.w = pack2<IS_BF16>(b.z, b.w);
+    *reinterpret_cast<uint4*>(p.dq + batch * p.dq_sb + (i64)row * p.dq_ss + head * p.dq_sh + col) = out;
+}
+
+}  // namespace fb

@@ -1,0 +1,81 @@
+"""Backward speed, development check: bwd_sm80 (direct launches) against SDPA's flash and cuDNN
+backends, forward+backward TFLOP/s in the FlashAttention papers' setup (batch x seqlen = 16k,
+hidden 2048). Prints one line per case."""
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import attngen
+from attngen import targets
+from attngen.families import BACKWARD_FAMILIES
+from attngen.families.base import BackwardCall
+from attngen.runtime.dispatch import Kernel
+from attngen.runtime.tensors import describe
+from attngen.spec import AttentionSpec
+
+FAMILY = BACKWARD_FAMILIES["bwd_sm80"]
+
+
+def timed(fn, reps=10):
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps * 1e-3
+
+
+def case(S, D, causal, config=None):
+    B, H = 16384 // S, 2048 // D
+    q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    mask = "causal" if causal else "none"
+    out, lse = attngen.attention(q, k, v, mask=mask, return_lse=True)
+    spec = AttentionSpec(head_dim=D, dtype="bf16", mask=mask)
+    target = targets.device_target(0)
+    cfg = FAMILY.default_config(spec.problem, target) if config is None else \
+        FAMILY.resolve_config(spec.problem, target, config)
+    kernel = Kernel(FAMILY.plan(spec.problem, target, cfg), 0)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    info = {n: describe(t, n) for n, t in dict(q=q, k=k, v=v, out=out, lse=lse, dout=do, dq=dq, dk=dk, dv=dv).items()}
+    call = BackwardCall(info["q"], info["k"], info["v"], info["out"], info["lse"], info["dout"], None, info["dq"],
+                        info["dk"], info["dv"], D ** -0.5)
+    stream = torch.cuda.current_stream().cuda_stream
+    t_fwd = timed(lambda: attngen.attention(q, k, v, mask=mask))
+    t_bwd = timed(lambda: kernel.run(call, stream, q))
+    flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+    line = [f"d{D} {'causal' if causal else 'full'} {S} {cfg.label()}: attngen fwd {flops / t_fwd / 1e12:.0f} "
+            f"bwd {2.5 * flops / t_bwd / 1e12:.0f} fwd+bwd {3.5 * flops / (t_fwd + t_bwd) / 1e12:.0f}"]
+    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                g = do.transpose(1, 2)
+                t_f = timed(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                t_fb = timed(lambda: torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
+                                                         (qt, kt, vt), g))
+            line.append(f"{name} fwd {flops / t_f / 1e12:.0f} bwd {2.5 * flops / (t_fb - t_f) / 1e12:.0f} "
+                        f"fwd+bwd {3.5 * flops / t_fb / 1e12:.0f}")
+        except Exception as exc:  # noqa: BLE001
+            line.append(f"{name} failed: {exc}")
+    print(" | ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    for D in (128, 64):
+        for causal in (False, True):
+            for S in (2048, 8192):
+                case(S, D, causal)
+    for config in ({"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 1},
+                   {"block_m": 32, "block_n": 128, "num_warps": 8}, {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 1}):
+        case(8192, 128, True, config)
+    for config in ({"block_m": 64, "block_n": 64, "num_warps": 4}, {"block_m": 128, "block_n": 128, "num_warps": 4},
+                   {"block_m": 64, "block_n": 128, "num_warps": 8}, {"block_m": 128, "block_n": 64, "num_warps": 4}):
+        case(8192, 64, True, config)
+    sys.exit(0)
