@@ -53,6 +53,20 @@ def run_case(B, Sq, Sk, Hq, Hkv, D, dtype, mask="none", score_mod=None, sink=Non
           flush=True)
 
 
+def quick():
+    """Three small cases for compute-sanitizer: odd lengths, GQA with a mask table, a modifier and a sink."""
+    run_case(1, 77, 130, 2, 1, 64, "fp16", "causal")
+    doc = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), torch.tensor([40, 50, 40]))[None].cuda()
+    run_case(1, 130, 130, 4, 2, 128, "bf16", "doc[b, q_idx] == doc[b, kv_idx] and causal", inputs={"doc": doc})
+    sinks = torch.randn(2, device="cuda", dtype=torch.float32)
+    run_case(1, 100, 100, 2, 2, 96, "bf16", "causal", score_mod="softcap(30.0)", sink="sinks[h]",
+             inputs={"sinks": sinks})
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--quick"]:
+    quick()
+    sys.exit(0)
+
 if __name__ == "__main__":
     run_case(1, 128, 128, 1, 1, 64, "bf16")
     run_case(2, 200, 200, 4, 2, 128, "bf16", "causal")

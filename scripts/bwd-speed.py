@@ -67,6 +67,13 @@ def case(S, D, causal, config=None):
     print(" | ".join(line), flush=True)
 
 
+if __name__ == "__main__" and sys.argv[1:] == ["--causal"]:
+    for D in (128, 64):
+        for S in (2048, 8192):
+            case(S, D, True)
+    case(8192, 128, False)
+    sys.exit(0)
+
 if __name__ == "__main__":
     for D in (128, 64):
         for causal in (False, True):

@@ -124,7 +124,7 @@ def test_launch_grids_cover_every_row_and_key_block():
     c = call(D=96)
     prep, main, dq = FAMILY.launches(plan, c)
     assert prep.grid[0] * prep.block[0] // 32 >= Workspace.of(plan, c).sq_pad and prep.grid[1:] == (8, 2)
-    assert main.grid == (math.ceil(300 / plan.block_n), 2, 2) and main.smem_bytes == plan.smem_bytes
+    assert main.grid == (2, math.ceil(300 / plan.block_n), 2) and main.smem_bytes == plan.smem_bytes
     rows_per_block = dq.block[0] // (96 // 8)
     assert dq.grid[0] * rows_per_block >= 100 and dq.grid[1:] == (8, 2)
 

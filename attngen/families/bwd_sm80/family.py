@@ -62,6 +62,7 @@ REGISTER_BUDGET = 215
 PREP_THREADS = 256
 DQ_THREADS = 256
 ALIGN = 256  # bytes: each workspace array starts at a multiple
+MAX_GRID_Y = 65535  # the main kernel's grid is (kv heads, key blocks, batch)
 _LABEL = re.compile(r"m(\d+)n(\d+)w(\d+)s(\d+)")
 
 
@@ -298,6 +299,10 @@ class Sm80Backward(KernelFamily):
         return Workspace.of(plan, call).total
 
     def launches(self, plan: BwdPlan, call: BackwardCall) -> list[Launch]:
+        key_blocks = math.ceil(call.seq_k / plan.block_n)
+        if key_blocks > MAX_GRID_Y:
+            raise ValueError(f"k has sequence length {call.seq_k}; allowed: at most {MAX_GRID_Y * plan.block_n} keys "
+                             f"for {plan.name} ({MAX_GRID_Y} key blocks of {plan.block_n})")
         workspace = Workspace.of(plan, call)
         params = plan.kernels[0].abi.pack(Packing(call, workspace))
         sq_pad = workspace.sq_pad
@@ -307,7 +312,7 @@ class Sm80Backward(KernelFamily):
         return [*mask_table.launches(plan, call, params),
                 Launch(prep.symbol, (math.ceil(sq_pad / rows_per_prep), call.heads_q, call.batch),
                        (PREP_THREADS, 1, 1), 0, params),
-                Launch(plan.name, (math.ceil(call.seq_k / plan.block_n), call.heads_kv, call.batch),
+                Launch(plan.name, (call.heads_kv, key_blocks, call.batch),
                        (plan.threads, 1, 1), plan.smem_bytes, params),
                 Launch(dq.symbol, (math.ceil(call.seq_q / rows_per_dq), call.heads_q, call.batch),
                        (DQ_THREADS, 1, 1), 0, params)]
