@@ -113,6 +113,8 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
             names, tensors = _split_inputs(inputs)
             if grad:  # before the forward runs: the op's autograd formula checks only after it
                 _check_grad_inputs(key, names, tensors)
+                if q.is_cuda and not torch.compiler.is_compiling():
+                    _check_backward_supported(key, q.get_device())
             out, lse = (_OP or register())(q, k, v, key, softmax_scale, names, tensors)
     else:
         from attngen.runtime.dispatch import forward
@@ -143,6 +145,14 @@ def _check_grad_inputs(spec_key: str, input_names, inputs) -> None:
             raise ValueError(f"inputs[{name!r}] requires grad, but gradients of runtime inputs are only supported "
                              f"for the sink's (inputs only the sink reads: {list(allowed)}); allowed: detach "
                              f"inputs[{name!r}] or call under torch.no_grad()")
+
+
+def _check_backward_supported(spec_key: str, device: int) -> None:
+    """SpecError now, before the forward runs, when no backward family can run this problem on this GPU
+    (head_dim 256, say), rather than inside loss.backward()."""
+    from attngen.runtime.backward import device_plan
+
+    device_plan(_spec_from_key(spec_key), device)
 
 
 def _sink_inputs(spec_key: str) -> tuple[str, ...]:
@@ -378,7 +388,9 @@ def _input_grads(torch, ctx, needs, tensors, out, lse, dout, dlse, seq_k):
 def _rows_aligned(t):
     """`t`, or a contiguous copy where the kernels could not read its rows (the expanded gradient of
     a sum has stride 0; a view may start mid-chunk). Strides and offsets only: traceable."""
-    if t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.storage_offset() % 8 == 0:
+    # A dim of size 1 never moves the address, whatever its stride (the kernels' checks agree).
+    if t.stride(-1) == 1 and all(s % 8 == 0 or n == 1 for n, s in zip(t.shape[:-1], t.stride()[:-1])) \
+            and t.storage_offset() % 8 == 0:
         return t
     return t.contiguous()
 

@@ -68,6 +68,12 @@ def test_a_well_formed_call_passes_the_checks():
           out=info("out", (2, 100, 8, 128), strides=(102400, 128, 12800, 1)))
     check(q=info("q", (2, 1, 8, 128)), out=info("out", (2, 1, 8, 128)), dout=info("dout", (2, 1, 8, 128)),
           lse=info("lse", (2, 8, 1), "float32", strides=(8, 1, 7)))
+    # A gradient autograd hands over with batch 1 may carry any batch stride (contiguous() keeps it).
+    one = dict(q=info("q", (1, 100, 8, 128)), k=info("k", (1, 50, 2, 128)), v=info("v", (1, 50, 2, 128)),
+               out=info("out", (1, 100, 8, 128)), lse=info("lse", (1, 8, 100), "float32"))
+    check(**one, dout=info("dout", (1, 100, 8, 128), strides=(3, 1024, 128, 1)))
+    with pytest.raises(ValueError, match="rows 16-byte"):
+        check(**one, dout=info("dout", (1, 100, 8, 128), strides=(102400, 1028, 128, 1)))
 
 
 @pytest.mark.parametrize("change, message", [

@@ -36,7 +36,8 @@ def _check_like(t: TensorInfo, ref: TensorInfo) -> None:
     if t.strides[-1] != 1:
         raise ValueError(f"{t.name} has strides {t.strides}; allowed: contiguous in its last dim (stride 1)")
     # The kernels move 16-byte chunks of every row, as they do of q's.
-    if t.ptr % 16 or any(s % 8 for s in t.strides[:-1]):
+    # A dim of size 1 never moves the address, whatever its stride (torch's contiguous() keeps any).
+    if t.ptr % 16 or any(s % 8 and n > 1 for n, s in zip(t.shape[:-1], t.strides[:-1])):
         raise ValueError(f"{t.name} has strides {t.strides} and data pointer {t.ptr:#x}; allowed: rows 16-byte "
                          "aligned (pointer a multiple of 16 bytes, strides multiples of 8 elements): pass "
                          ".contiguous()")
@@ -105,13 +106,19 @@ _plans: dict[tuple, object] = {}
 _lock = threading.Lock()
 
 
-def _kernel(spec: AttentionSpec, device: int):
+def device_plan(spec: AttentionSpec, device: int):
+    """backward_plan for the GPU `device`, memoized (attention() asks before every forward that
+    needs gradients: a problem no backward family runs fails then, not in loss.backward())."""
     key = (spec, device)
     plan = _plans.get(key)
     if plan is None:
         with _lock:
             plan = _plans.get(key) or _plans.setdefault(key, backward_plan(spec, targets.device_target(device)))
-    return kernel_for(plan, device)
+    return plan
+
+
+def _kernel(spec: AttentionSpec, device: int):
+    return kernel_for(device_plan(spec, device), device)
 
 
 def contiguous_info(name: str, shape: tuple, dtype: str, ref: TensorInfo) -> TensorInfo:
