@@ -611,8 +611,10 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;  // mma fragment row group and column pair
-    // Key blocks first: under a causal mask the first ones are seen by the most query blocks.
-    const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    // Heads vary fastest, then key blocks: under a causal mask the first key blocks are seen by the
+    // most query blocks, so every head's longest CTAs start first (the tail of the grid is short),
+    // while CTAs running together read the Q and dO of the same few batches from L2.
+    const int kv_head = blockIdx.x, n_block = blockIdx.y, batch = blockIdx.z;
     const int Sq = p.Sq, Sk = p.Sk;
     const int n0 = n_block * BLOCK_N, n1 = min(n0 + BLOCK_N, Sk);
     const int m_blocks = (Sq + BLOCK_M - 1) / BLOCK_M;
