@@ -10,6 +10,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngen
 from attngen import targets
+from attngen.bench_backward import _flops
+from attngen.bench_decode import _time_ms
 from attngen.families import BACKWARD_FAMILIES
 from attngen.families.base import BackwardCall
 from attngen.runtime.dispatch import Kernel
@@ -19,16 +21,8 @@ from attngen.spec import AttentionSpec
 FAMILY = BACKWARD_FAMILIES["bwd_sm80"]
 
 
-def timed(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e-3
+def _time_s(fn):
+    return _time_ms(fn, 10) * 1e-3  # the benchmark's timing: median of CUDA-event intervals after warm-up
 
 
 def case(S, D, causal, config=None):
@@ -46,19 +40,18 @@ def case(S, D, causal, config=None):
     call = BackwardCall(info["q"], info["k"], info["v"], info["out"], info["lse"], info["dout"], None, info["dq"],
                         info["dk"], info["dv"], D ** -0.5)
     stream = torch.cuda.current_stream().cuda_stream
-    t_fwd = timed(lambda: attngen.attention(q, k, v, mask=mask))
-    t_bwd = timed(lambda: kernel.run(call, stream, q))
-    flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+    t_fwd = _time_s(lambda: attngen.attention(q, k, v, mask=mask))
+    t_bwd = _time_s(lambda: kernel.run(call, stream, q))
+    flops = _flops(B, H, S, D, causal)
     line = [f"d{D} {'causal' if causal else 'full'} {S} {cfg.label()}: attngen fwd {flops / t_fwd / 1e12:.0f} "
             f"bwd {2.5 * flops / t_bwd / 1e12:.0f} fwd+bwd {3.5 * flops / (t_fwd + t_bwd) / 1e12:.0f}"]
     qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
             with sdpa_kernel(backend):
-                o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                 g = do.transpose(1, 2)
-                t_f = timed(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
-                t_fb = timed(lambda: torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
+                t_f = _time_s(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                t_fb = _time_s(lambda: torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
                                                          (qt, kt, vt), g))
             line.append(f"{name} fwd {flops / t_f / 1e12:.0f} bwd {2.5 * flops / (t_fb - t_f) / 1e12:.0f} "
                         f"fwd+bwd {3.5 * flops / t_fb / 1e12:.0f}")
