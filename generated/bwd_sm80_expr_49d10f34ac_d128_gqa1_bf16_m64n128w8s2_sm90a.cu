@@ -500,45 +500,17 @@ __device__ __forceinline__ float finish_row(float max2, float sum, int q, int Sq
 
 
 
-// ---- flash_bwd.cuh: FlashAttention-2 backward, one (key block, kv head, batch) per CTA ----
-// Needs, from the rendered template: struct BwdParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N, SUB_M,
-// NUM_WARPS, NUM_STAGES, GQA_RATIO, IS_BF16, elem_t }, namespace mask { Bounds, bounds, visible }
-// (attngen/cuda/mask.cuh.j2) and namespace score { MODIFIED, modify, modify_grad }
-// (attngen/cuda/score_mod.cuh.j2). attngen/families/bwd_sm80/family.py says what each kernel does.
+// ---- bwd_rows.cuh: the per-row kernels every backward family runs around its main kernel ----
+// prep (D, the LSE in log2, the dQ accumulator zeroed) and convert_dq (the fp32 accumulator to dQ),
+// and add_dq, which main kernels use to add an m16 x n8 accumulator tile to the accumulator.
+// attngen/families/bwd_shared.py launches them. Needs, from the rendered template: struct BwdParams
+// and namespace cfg { HEAD_DIM, IS_BF16, elem_t, VECTOR_RED, PREP_THREADS, DQ_THREADS }.
 
-namespace fb {
+namespace bwd_rows {
 
 using namespace cfg;
-
-constexpr int THREADS = NUM_WARPS * 32;
-#define NEG_INF (-__int_as_float(0x7f800000))
-#define POS_INF (__int_as_float(0x7f800000))
-constexpr int WARP_N = BLOCK_N / NUM_WARPS;  // keys one warp owns: its rows of S^T, dP^T, dK, dV
-constexpr int MT = WARP_N / 16;              // m16 tiles of keys per warp
-constexpr int NT = SUB_M / 8;                // n8 tiles of S^T (query columns) per register step
-constexpr int DT = HEAD_DIM / 8;             // n8 tiles of dK/dV per m16 tile
-constexpr int DK = HEAD_DIM / 16;            // k16 steps of K.Q^T and V.dO^T
-constexpr int PK = SUB_M / 16;               // k16 steps of P^T.dO and dS^T.Q
-// One 16-byte pad per row: 8 consecutive rows fall in 8 distinct bank groups (ldmatrix, cp.async).
-constexpr int ROW = HEAD_DIM + 8;
-constexpr int ROW_BYTES = ROW * 2;
-constexpr int CHUNKS = HEAD_DIM / 8;         // 16-byte chunks per row
-constexpr int DS_ROW = BLOCK_M + 8;          // dS^T rows (keys) of BLOCK_M query columns, padded
-constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
-constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
-constexpr int STAGE_BYTES = 2 * Q_TILE_BYTES + 2 * BLOCK_M * 4;  // Q, dO, then the rows' lse2 and delta
-constexpr int DS_BYTES = BLOCK_N * DS_ROW * 2;
-constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + NUM_STAGES * STAGE_BYTES + DS_BYTES;  // family.py smem_bytes()
-// dQ of one query block: (BLOCK_M / 16 / DQ_MT) x (HEAD_DIM / DQ_N) items of DQ_MT m16 tiles of rows by
-// DQ_N columns, shared by the warps (32 x 32 reads each K and dS element half as often as 16 x 32).
-constexpr int DQ_N = 32;
-constexpr int DQ_MT = BLOCK_M >= 32 ? 2 : 1;
-constexpr int DQ_ITEMS = (BLOCK_M / 16 / DQ_MT) * (HEAD_DIM / DQ_N);
-
-static_assert(WARP_N == 16 || WARP_N == 32, "a warp owns one or two m16 tiles of keys");
-static_assert(SUB_M % 16 == 0 && BLOCK_M % SUB_M == 0 && HEAD_DIM % 16 == 0, "tiles are whole k16 steps");
-
 using Params = BwdParams;
+constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
 
 // One element's bits (the low 16 of `bits`) as a float.
 __device__ __forceinline__ float to_float(u32 bits) {
@@ -548,22 +520,6 @@ __device__ __forceinline__ float to_float(u32 bits) {
         float f;
         asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"((u16)bits));
         return f;
-    }
-}  // generated from the family's argument list (attngen/families/bwd_sm80/family.py)
-
-// Copy ROWS x HEAD_DIM elements from global row `row0` into a padded smem tile; rows at or past
-// `row_end` are zero-filled (their source clamped to row0, which callers keep in range).
-template <int ROWS>
-__device__ __forceinline__ void load_tile(u32 dst, const elem_t* base, i64 row_stride, int row0, int row_end) {
-    constexpr int TOTAL = ROWS * CHUNKS;
-#pragma unroll
-    for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
-        const int c = threadIdx.x + i * THREADS;
-        if (TOTAL % THREADS == 0 || c < TOTAL) {
-            const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
-            const bool in = row0 + r < row_end;
-            cp_async_16(dst + r * ROW_BYTES + col * 2, base + (i64)(in ? row0 + r : row0) * row_stride + col, in);
-        }
     }
 }
 
@@ -593,6 +549,112 @@ __device__ __forceinline__ void add_dq(float* rows, int r0, int c0, const float 
                 atomicAdd(dst, acc[2 * h]);
                 atomicAdd(dst + 1, acc[2 * h + 1]);
             }
+        }
+    }
+}
+
+// Per query row (one warp each): delta = rowsum(dO * O) - dLSE, lse2 = LSE * log2(e) (+inf for a
+// row that saw no key: every P of it is then exp2(-inf) = 0), and the row's dQ accumulator zeroed.
+// Rows from Sq to Sq_pad get delta 0 and lse2 +inf, so the main kernel reads whole blocks.
+__device__ __forceinline__ void prep(const Params& p) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * (PREP_THREADS / 32) + warp, head = blockIdx.y, batch = blockIdx.z;
+    if (row >= p.Sq_pad) return;
+    const i64 flat = ((i64)batch * p.Hq + head) * p.Sq_pad + row;
+    float4* dq = reinterpret_cast<float4*>(p.dq_acc + flat * HEAD_DIM);
+    for (int c = lane; c < HEAD_DIM / 4; c += 32) dq[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    float dot = 0.f, lse = (-__int_as_float(0x7f800000)), dlse = 0.f;
+    if (row < p.Sq) {
+        const elem_t* o = p.o + batch * p.out_sb + (i64)row * p.out_ss + head * p.out_sh;
+        const elem_t* d = p.dout + batch * p.dout_sb + (i64)row * p.dout_ss + head * p.dout_sh;
+        for (int c = lane; c < HEAD_DIM / 2; c += 32) {
+            const u32 ov = reinterpret_cast<const u32*>(o)[c], dv = reinterpret_cast<const u32*>(d)[c];
+            dot += to_float(ov & 0xffffu) * to_float(dv & 0xffffu) + to_float(ov >> 16) * to_float(dv >> 16);
+        }
+        const i64 lse_at = ((i64)batch * p.Hq + head) * p.Sq + row;
+        lse = p.lse[lse_at];
+        if (p.dlse != nullptr) dlse = p.dlse[lse_at];
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, s);
+    if (lane == 0) {
+        p.delta[flat] = row < p.Sq ? dot - dlse : 0.f;
+        p.lse2[flat] = lse == (-__int_as_float(0x7f800000)) ? __int_as_float(0x7f800000) : lse * 1.4426950408889634f;
+    }
+}
+
+// dQ from the fp32 accumulator, in dQ's dtype and layout: 8 elements (one 16-byte store) per thread.
+__device__ __forceinline__ void convert_dq(const Params& p) {
+    constexpr int ROWS = DQ_THREADS / CHUNKS;
+    const int r = threadIdx.x / CHUNKS, col = (threadIdx.x % CHUNKS) * 8;
+    const int row = blockIdx.x * ROWS + r, head = blockIdx.y, batch = blockIdx.z;
+    if (r >= ROWS || row >= p.Sq) return;
+    const float4* src = reinterpret_cast<const float4*>(
+        p.dq_acc + (((i64)batch * p.Hq + head) * p.Sq_pad + row) * HEAD_DIM + col);
+    const float4 a = src[0], b = src[1];
+    uint4 out;
+    out.x = pack2<IS_BF16>(a.x, a.y);
+    out.y = pack2<IS_BF16>(a.z, a.w);
+    out.z = pack2<IS_BF16>(b.x, b.y);
+    out.w = pack2<IS_BF16>(b.z, b.w);
+    *reinterpret_cast<uint4*>(p.dq + batch * p.dq_sb + (i64)row * p.dq_ss + head * p.dq_sh + col) = out;
+}
+
+}  // namespace bwd_rows
+
+
+// ---- flash_bwd.cuh: FlashAttention-2 backward, one (key block, kv head, batch) per CTA ----
+// Needs, from the rendered template: struct BwdParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N, SUB_M,
+// NUM_WARPS, NUM_STAGES, GQA_RATIO, IS_BF16, elem_t }, namespace mask { Bounds, bounds, visible }
+// (attngen/cuda/mask.cuh.j2), namespace score { MODIFIED, modify, modify_grad }
+// (attngen/cuda/score_mod.cuh.j2) and bwd_rows::add_dq (attngen/cuda/bwd_rows.cuh). attngen/families/bwd_sm80/family.py
+// says what each kernel does.
+
+namespace fb {
+
+using namespace cfg;
+
+constexpr int THREADS = NUM_WARPS * 32;
+#define NEG_INF (-__int_as_float(0x7f800000))
+constexpr int WARP_N = BLOCK_N / NUM_WARPS;  // keys one warp owns: its rows of S^T, dP^T, dK, dV
+constexpr int MT = WARP_N / 16;              // m16 tiles of keys per warp
+constexpr int NT = SUB_M / 8;                // n8 tiles of S^T (query columns) per register step
+constexpr int DT = HEAD_DIM / 8;             // n8 tiles of dK/dV per m16 tile
+constexpr int DK = HEAD_DIM / 16;            // k16 steps of K.Q^T and V.dO^T
+constexpr int PK = SUB_M / 16;               // k16 steps of P^T.dO and dS^T.Q
+// One 16-byte pad per row: 8 consecutive rows fall in 8 distinct bank groups (ldmatrix, cp.async).
+constexpr int ROW = HEAD_DIM + 8;
+constexpr int ROW_BYTES = ROW * 2;
+constexpr int CHUNKS = HEAD_DIM / 8;         // 16-byte chunks per row
+constexpr int DS_ROW = BLOCK_M + 8;          // dS^T rows (keys) of BLOCK_M query columns, padded
+constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
+constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
+constexpr int STAGE_BYTES = 2 * Q_TILE_BYTES + 2 * BLOCK_M * 4;  // Q, dO, then the rows' lse2 and delta
+constexpr int DS_BYTES = BLOCK_N * DS_ROW * 2;
+constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + NUM_STAGES * STAGE_BYTES + DS_BYTES;  // family.py smem_bytes()
+// dQ of one query block: (BLOCK_M / 16 / DQ_MT) x (HEAD_DIM / DQ_N) items of DQ_MT m16 tiles of rows by
+// DQ_N columns, shared by the warps (32 x 32 reads each K and dS element half as often as 16 x 32).
+constexpr int DQ_N = 32;
+constexpr int DQ_MT = BLOCK_M >= 32 ? 2 : 1;
+constexpr int DQ_ITEMS = (BLOCK_M / 16 / DQ_MT) * (HEAD_DIM / DQ_N);
+
+static_assert(WARP_N == 16 || WARP_N == 32, "a warp owns one or two m16 tiles of keys");
+static_assert(SUB_M % 16 == 0 && BLOCK_M % SUB_M == 0 && HEAD_DIM % 16 == 0, "tiles are whole k16 steps");
+
+using Params = BwdParams;
+
+// Copy ROWS x HEAD_DIM elements from global row `row0` into a padded smem tile; rows at or past
+// `row_end` are zero-filled (their source clamped to row0, which callers keep in range).
+template <int ROWS>
+__device__ __forceinline__ void load_tile(u32 dst, const elem_t* base, i64 row_stride, int row0, int row_end) {
+    constexpr int TOTAL = ROWS * CHUNKS;
+#pragma unroll
+    for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
+        const int c = threadIdx.x + i * THREADS;
+        if (TOTAL % THREADS == 0 || c < TOTAL) {
+            const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+            const bool in = row0 + r < row_end;
+            cp_async_16(dst + r * ROW_BYTES + col * 2, base + (i64)(in ? row0 + r : row0) * row_stride + col, in);
         }
     }
 }
@@ -839,7 +901,7 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
             for (int mt = 0; mt < DQ_MT; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < DQ_N / 8; ++nt)
-                    add_dq(dq_rows, (mq + mt) * 16, d0 + nt * 8, acc[mt][nt], item.m0, Sq);
+                    bwd_rows::add_dq(dq_rows, (mq + mt) * 16, d0 + nt * 8, acc[mt][nt], item.m0, Sq);
         }
 
         if constexpr (NUM_STAGES == 1) {
@@ -886,53 +948,6 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
     }
 }
 
-// Per query row (one warp each): delta = rowsum(dO * O) - dLSE, lse2 = LSE * log2(e) (+inf for a
-// row that saw no key: every P of it is then exp2(-inf) = 0), and the row's dQ accumulator zeroed.
-// Rows from Sq to Sq_pad get delta 0 and lse2 +inf, so the main kernel reads whole blocks.
-__device__ __forceinline__ void prep(const Params& p) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row = blockIdx.x * (PREP_THREADS / 32) + warp, head = blockIdx.y, batch = blockIdx.z;
-    if (row >= p.Sq_pad) return;
-    const i64 flat = ((i64)batch * p.Hq + head) * p.Sq_pad + row;
-    float4* dq = reinterpret_cast<float4*>(p.dq_acc + flat * HEAD_DIM);
-    for (int c = lane; c < HEAD_DIM / 4; c += 32) dq[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-    float dot = 0.f, lse = NEG_INF, dlse = 0.f;
-    if (row < p.Sq) {
-        const elem_t* o = p.o + batch * p.out_sb + (i64)row * p.out_ss + head * p.out_sh;
-        const elem_t* d = p.dout + batch * p.dout_sb + (i64)row * p.dout_ss + head * p.dout_sh;
-        for (int c = lane; c < HEAD_DIM / 2; c += 32) {
-            const u32 ov = reinterpret_cast<const u32*>(o)[c], dv = reinterpret_cast<const u32*>(d)[c];
-            dot += to_float(ov & 0xffffu) * to_float(dv & 0xffffu) + to_float(ov >> 16) * to_float(dv >> 16);
-        }
-        const i64 lse_at = ((i64)batch * p.Hq + head) * p.Sq + row;
-        lse = p.lse[lse_at];
-        if (p.dlse != nullptr) dlse = p.dlse[lse_at];
-    }
-#pragma unroll
-    for (int s = 16; s > 0; s /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, s);
-    if (lane == 0) {
-        p.delta[flat] = row < p.Sq ? dot - dlse : 0.f;
-        p.lse2[flat] = lse == NEG_INF ? POS_INF : lse * 1.4426950408889634f;
-    }
-}
-
-// dQ from the fp32 accumulator, in dQ's dtype and layout: 8 elements (one 16-byte store) per thread.
-__device__ __forceinline__ void convert_dq(const Params& p) {
-    constexpr int ROWS = DQ_THREADS / CHUNKS;
-    const int r = threadIdx.x / CHUNKS, col = (threadIdx.x % CHUNKS) * 8;
-    const int row = blockIdx.x * ROWS + r, head = blockIdx.y, batch = blockIdx.z;
-    if (r >= ROWS || row >= p.Sq) return;
-    const float4* src = reinterpret_cast<const float4*>(
-        p.dq_acc + (((i64)batch * p.Hq + head) * p.Sq_pad + row) * HEAD_DIM + col);
-    const float4 a = src[0], b = src[1];
-    uint4 out;
-    out.x = pack2<IS_BF16>(a.x, a.y);
-    out.y = pack2<IS_BF16>(a.z, a.w);
-    out.z = pack2<IS_BF16>(b.x, b.y);
-    out.w = pack2<IS_BF16>(b.z, b.w);
-    *reinterpret_cast<uint4*>(p.dq + batch * p.dq_sb + (i64)row * p.dq_ss + head * p.dq_sh + col) = out;
-}
-
 }  // namespace fb
 
 static_assert(fb::SMEM_BYTES == 158720, "attngen/families/bwd_sm80/family.py smem_bytes() and the template disagree");
@@ -944,10 +959,10 @@ bwd_sm80_expr_49d10f34ac_d128_gqa1_bf16_m64n128w8s2_sm90a(const __grid_constant_
 
 extern "C" __global__ void __launch_bounds__(256)
 bwd_sm80_expr_49d10f34ac_d128_gqa1_bf16_m64n128w8s2_sm90a_prep(const __grid_constant__ BwdParams p) {
-    fb::prep(p);
+    bwd_rows::prep(p);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
 bwd_sm80_expr_49d10f34ac_d128_gqa1_bf16_m64n128w8s2_sm90a_dq(const __grid_constant__ BwdParams p) {
-    fb::convert_dq(p);
+    bwd_rows::convert_dq(p);
 }

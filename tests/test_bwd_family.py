@@ -14,12 +14,11 @@ from attngen.build import nvcc
 from attngen.errors import SpecError
 from attngen.families import BACKWARD_FAMILIES
 from attngen.families.base import BackwardCall
+from attngen.families.bwd_shared import ALIGN, Workspace
 from attngen.families.bwd_sm80.family import (
     ACCUMULATOR_BUDGET,
-    ALIGN,
     REGISTER_BUDGET,
     BwdConfig,
-    Workspace,
     smem_bytes,
 )
 from attngen.runtime.tensors import TensorInfo

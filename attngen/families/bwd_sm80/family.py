@@ -21,7 +21,6 @@ atomics, deterministic. The config is the tile: keys per CTA (block_n), query ro
 from __future__ import annotations
 
 import itertools
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,16 +28,22 @@ from typing import Any, Mapping
 
 from attngen import mask_table
 from attngen.codegen import render as codegen
-from attngen.codegen.abi import Abi, Param
 from attngen.errors import SpecError
+from attngen.families import bwd_shared
 from attngen.families.base import (
     BackwardCall,
     Config,
-    ForwardPlan,
     KernelFamily,
     KernelPlan,
     Launch,
     problem_inputs,
+)
+from attngen.families.bwd_shared import (
+    ARGUMENTS,
+    BackwardPlan,
+    Packing,
+    Workspace,
+    the_call,
 )
 from attngen.faults import check_fault
 from attngen.masks import get_mask, mask_problem
@@ -47,7 +52,6 @@ from attngen.spec import Problem
 from attngen.targets import Target
 
 FOLDER = Path(__file__).resolve().parent
-LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 96, 128)  # d256 would need dK and dV split across warps: 256 registers each here
 BLOCK_MS = (16, 32, 64, 128)
 BLOCK_NS = (16, 32, 64, 128)
@@ -59,10 +63,6 @@ ACCUMULATOR_BUDGET = 128
 # Registers per thread for dK/dV and one register step's S^T, dP^T, P^T and dS^T: the other ~40 of
 # 255 hold addresses, loop state and the B fragments.
 REGISTER_BUDGET = 215
-PREP_THREADS = 256
-DQ_THREADS = 256
-ALIGN = 256  # bytes: each workspace array starts at a multiple
-MAX_GRID_Y = 65535  # the main kernel's grid is (kv heads, key blocks, batch)
 _LABEL = re.compile(r"m(\d+)n(\d+)w(\d+)s(\d+)")
 
 
@@ -97,23 +97,12 @@ DEFAULTS = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class BwdPlan(ForwardPlan):
+class BwdPlan(BackwardPlan):
     num_warps: int
     num_stages: int
     sub_m: int  # query columns of S^T per register step within a loaded block
     threads: int
     smem_bytes: int
-
-    @property
-    def score_mod_grad(self):
-        """d score_mod / d score, lowered like a score modifier (None: no modifier)."""
-        from attngen.runtime_inputs import input_ref
-        from attngen.score_mods import ScoreModLowering
-
-        if self.score_mod is None:
-            return None
-        program = self.score_mod.program.derivative()
-        return ScoreModLowering(program.canonical, program.slug, program.cuda_expr(input_ref), "", program)
 
     def choices(self) -> dict[str, Any]:
         return {"sub_m": self.sub_m, "threads": self.threads, "smem_bytes": self.smem_bytes}
@@ -142,74 +131,6 @@ def _sub_m(config: BwdConfig, head_dim: int) -> int:
     room = REGISTER_BUDGET - _accumulator_registers(config, head_dim)
     fits = [m for m in BLOCK_MS if config.block_m % m == 0 and 3 * config.keys_per_warp * m // 32 <= room]
     return max(fits, default=16)
-
-
-@dataclass(frozen=True)
-class Workspace:
-    """Where a call's scratch arrays lie: byte offsets after any mask table (attngen/mask_table.py)."""
-
-    dq_acc: int  # (B, Hq, Sq_pad, D) fp32
-    lse2: int  # (B, Hq, Sq_pad) fp32
-    delta: int  # (B, Hq, Sq_pad) fp32
-    sq_pad: int  # Sq rounded up to block_m: the main kernel reads whole query blocks
-    total: int
-
-    @classmethod
-    def of(cls, plan: "BwdPlan", call: BackwardCall) -> "Workspace":
-        table = mask_table.workspace_bytes(plan.mask_table, call, plan.block_m)
-        sq_pad = -(-call.seq_q // plan.block_m) * plan.block_m
-        rows = call.batch * call.heads_q * sq_pad
-        dq_acc = _aligned(table)
-        lse2 = dq_acc + _aligned(rows * call.q.shape[3] * 4)
-        delta = lse2 + _aligned(rows * 4)
-        return cls(dq_acc, lse2, delta, sq_pad, delta + _aligned(rows * 4))
-
-
-@dataclass(frozen=True)
-class Packing:
-    """What the ABI packs: the call and its workspace layout."""
-
-    call: BackwardCall
-    workspace: Workspace
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _the_call(a: Packing) -> BackwardCall:
-    return a.call
-
-
-ARGUMENTS = Abi("BwdParams", [
-    Param("q", "const cfg::elem_t*", "ptr", lambda a: a.call.q.ptr),
-    Param("k", "const cfg::elem_t*", "ptr", lambda a: a.call.k.ptr),
-    Param("v", "const cfg::elem_t*", "ptr", lambda a: a.call.v.ptr),
-    Param("o", "const cfg::elem_t*", "ptr", lambda a: a.call.out.ptr),
-    Param("dout", "const cfg::elem_t*", "ptr", lambda a: a.call.dout.ptr),
-    Param("lse", "const float*", "ptr", lambda a: a.call.lse.ptr, "(B, Hq, Sq), contiguous: the forward's"),
-    Param("dlse", "const float*", "ptr", lambda a: 0 if a.call.dlse is None else a.call.dlse.ptr,
-          "(B, Hq, Sq) contiguous, or null: d loss / d lse"),
-    Param("dq", "cfg::elem_t*", "ptr", lambda a: a.call.dq.ptr),
-    Param("dk", "cfg::elem_t*", "ptr", lambda a: a.call.dk.ptr),
-    Param("dv", "cfg::elem_t*", "ptr", lambda a: a.call.dv.ptr),
-    Param("dq_acc", "float*", "ptr", lambda a: a.call.workspace + a.workspace.dq_acc,
-          "(B, Hq, Sq_pad, D) fp32 dQ accumulator (workspace)"),
-    Param("lse2", "float*", "ptr", lambda a: a.call.workspace + a.workspace.lse2,
-          "(B, Hq, Sq_pad) LSE * log2(e), +inf for rows with no visible key (workspace)"),
-    Param("delta", "float*", "ptr", lambda a: a.call.workspace + a.workspace.delta,
-          "(B, Hq, Sq_pad) rowsum(dO * O) - dLSE (workspace)"),
-    Param("Sq", "int", "i32", lambda a: a.call.seq_q),
-    Param("Sk", "int", "i32", lambda a: a.call.seq_k),
-    Param("Hq", "int", "i32", lambda a: a.call.heads_q),
-    Param("Sq_pad", "int", "i32", lambda a: a.workspace.sq_pad, "Sq rounded up to block_m"),
-    *(Param(f"{t}_s{dim}", "i64", "i64", (lambda i, t: lambda a: getattr(a.call, t).strides[i])(i, t),
-            f"{t} {what} stride, elements" if dim == "b" else "")
-      for t in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")
-      for i, (dim, what) in enumerate((("b", "batch"), ("s", "seq"), ("h", "head")))),
-    Param("scale_log2", "float", "f32", lambda a: a.call.softmax_scale * LOG2E, "softmax_scale * log2(e)"),
-    Param("scale", "float", "f32", lambda a: a.call.softmax_scale, "softmax_scale: a score modifier sees scaled scores"),
-])
 
 
 class Sm80Backward(KernelFamily):
@@ -282,10 +203,10 @@ class Sm80Backward(KernelFamily):
         name = self.plan_name(problem, target, config, fault)
         threads = config.num_warps * 32
         table = mask_table.for_problem(problem)
-        abi = mask_table.with_table(with_inputs(ARGUMENTS, problem_inputs(problem), _the_call), table, _the_call,
+        abi = mask_table.with_table(with_inputs(ARGUMENTS, problem_inputs(problem), the_call), table, the_call,
                                     config.block_m)
         kernels = (KernelPlan(name, threads, smem, abi), *mask_table.kernels(name, table, abi),
-                   KernelPlan(f"{name}_prep", PREP_THREADS, 0, abi), KernelPlan(f"{name}_dq", DQ_THREADS, 0, abi))
+                   *bwd_shared.row_kernels(name, abi))
         return BwdPlan(
             family=self.name, name=name, problem=problem, target=target, config=config, kernels=kernels,
             block_m=config.block_m, block_n=config.block_n, fault=fault, num_warps=config.num_warps,
@@ -299,23 +220,11 @@ class Sm80Backward(KernelFamily):
         return Workspace.of(plan, call).total
 
     def launches(self, plan: BwdPlan, call: BackwardCall) -> list[Launch]:
-        key_blocks = math.ceil(call.seq_k / plan.block_n)
-        if key_blocks > MAX_GRID_Y:
-            raise ValueError(f"k has sequence length {call.seq_k}; allowed: at most {MAX_GRID_Y * plan.block_n} keys "
-                             f"for {plan.name} ({MAX_GRID_Y} key blocks of {plan.block_n})")
+        key_blocks = bwd_shared.check_key_blocks(plan, call)
         workspace = Workspace.of(plan, call)
         params = plan.kernels[0].abi.pack(Packing(call, workspace))
-        sq_pad = workspace.sq_pad
-        prep, dq = plan.kernels[-2:]
-        rows_per_prep = PREP_THREADS // 32  # one warp per row
-        rows_per_dq = DQ_THREADS // (plan.head_dim // 8)
-        return [*mask_table.launches(plan, call, params),
-                Launch(prep.symbol, (math.ceil(sq_pad / rows_per_prep), call.heads_q, call.batch),
-                       (PREP_THREADS, 1, 1), 0, params),
-                Launch(plan.name, (call.heads_kv, key_blocks, call.batch),
-                       (plan.threads, 1, 1), plan.smem_bytes, params),
-                Launch(dq.symbol, (math.ceil(call.seq_q / rows_per_dq), call.heads_q, call.batch),
-                       (DQ_THREADS, 1, 1), 0, params)]
+        main = Launch(plan.name, (call.heads_kv, key_blocks, call.batch), (plan.threads, 1, 1), plan.smem_bytes, params)
+        return bwd_shared.launches(plan, call, main, params, workspace)
 
     def estimate(self, plan, report, gpu, shape):
         raise NotImplementedError("the tuner does not time backward kernels yet")

@@ -1,0 +1,101 @@
+// ---- bwd_rows.cuh: the per-row kernels every backward family runs around its main kernel ----
+// prep (D, the LSE in log2, the dQ accumulator zeroed) and convert_dq (the fp32 accumulator to dQ),
+// and add_dq, which main kernels use to add an m16 x n8 accumulator tile to the accumulator.
+// attngen/families/bwd_shared.py launches them. Needs, from the rendered template: struct BwdParams
+// and namespace cfg { HEAD_DIM, IS_BF16, elem_t, VECTOR_RED, PREP_THREADS, DQ_THREADS }.
+
+namespace bwd_rows {
+
+using namespace cfg;
+using Params = BwdParams;
+constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
+
+// One element's bits (the low 16 of `bits`) as a float.
+__device__ __forceinline__ float to_float(u32 bits) {
+    if constexpr (IS_BF16) {
+        return __uint_as_float(bits << 16);
+    } else {
+        float f;
+        asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"((u16)bits));
+        return f;
+    }
+}
+
+// Adds one m16 x n8 accumulator tile (rows r0.., columns c0..) to the fp32 dQ rows of a block.
+// Hopper reduces 16 bytes per instruction: lanes t and t^1 swap halves so that each holds four
+// consecutive columns of one row (even t: row g, odd t: row g + 8), a quarter of the scalar adds.
+__device__ __forceinline__ void add_dq(float* rows, int r0, int c0, const float (&acc)[4], int m0, int Sq) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    if constexpr (VECTOR_RED) {
+        const bool odd = t & 1;
+        // Even t sends its row g + 8 pair and receives the partner's row g pair; odd t the reverse.
+        const float send0 = odd ? acc[0] : acc[2], send1 = odd ? acc[1] : acc[3];
+        const float got0 = __shfl_xor_sync(0xffffffffu, send0, 1), got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
+        const int r = r0 + g + (odd ? 8 : 0), c = c0 + 2 * (t & ~1);
+        const float4 v = odd ? make_float4(got0, got1, acc[2], acc[3]) : make_float4(acc[0], acc[1], got0, got1);
+        if (m0 + r < Sq) {
+            float* dst = rows + (i64)r * HEAD_DIM + c;
+            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n"
+                         ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+        }
+    } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = r0 + g + 8 * h;
+            if (m0 + r < Sq) {
+                float* dst = rows + (i64)r * HEAD_DIM + c0 + 2 * t;
+                atomicAdd(dst, acc[2 * h]);
+                atomicAdd(dst + 1, acc[2 * h + 1]);
+            }
+        }
+    }
+}
+
+// Per query row (one warp each): delta = rowsum(dO * O) - dLSE, lse2 = LSE * log2(e) (+inf for a
+// row that saw no key: every P of it is then exp2(-inf) = 0), and the row's dQ accumulator zeroed.
+// Rows from Sq to Sq_pad get delta 0 and lse2 +inf, so the main kernel reads whole blocks.
+__device__ __forceinline__ void prep(const Params& p) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * (PREP_THREADS / 32) + warp, head = blockIdx.y, batch = blockIdx.z;
+    if (row >= p.Sq_pad) return;
+    const i64 flat = ((i64)batch * p.Hq + head) * p.Sq_pad + row;
+    float4* dq = reinterpret_cast<float4*>(p.dq_acc + flat * HEAD_DIM);
+    for (int c = lane; c < HEAD_DIM / 4; c += 32) dq[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    float dot = 0.f, lse = (-__int_as_float(0x7f800000)), dlse = 0.f;
+    if (row < p.Sq) {
+        const elem_t* o = p.o + batch * p.out_sb + (i64)row * p.out_ss + head * p.out_sh;
+        const elem_t* d = p.dout + batch * p.dout_sb + (i64)row * p.dout_ss + head * p.dout_sh;
+        for (int c = lane; c < HEAD_DIM / 2; c += 32) {
+            const u32 ov = reinterpret_cast<const u32*>(o)[c], dv = reinterpret_cast<const u32*>(d)[c];
+            dot += to_float(ov & 0xffffu) * to_float(dv & 0xffffu) + to_float(ov >> 16) * to_float(dv >> 16);
+        }
+        const i64 lse_at = ((i64)batch * p.Hq + head) * p.Sq + row;
+        lse = p.lse[lse_at];
+        if (p.dlse != nullptr) dlse = p.dlse[lse_at];
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, s);
+    if (lane == 0) {
+        p.delta[flat] = row < p.Sq ? dot - dlse : 0.f;
+        p.lse2[flat] = lse == (-__int_as_float(0x7f800000)) ? __int_as_float(0x7f800000) : lse * 1.4426950408889634f;
+    }
+}
+
+// dQ from the fp32 accumulator, in dQ's dtype and layout: 8 elements (one 16-byte store) per thread.
+__device__ __forceinline__ void convert_dq(const Params& p) {
+    constexpr int ROWS = DQ_THREADS / CHUNKS;
+    const int r = threadIdx.x / CHUNKS, col = (threadIdx.x % CHUNKS) * 8;
+    const int row = blockIdx.x * ROWS + r, head = blockIdx.y, batch = blockIdx.z;
+    if (r >= ROWS || row >= p.Sq) return;
+    const float4* src = reinterpret_cast<const float4*>(
+        p.dq_acc + (((i64)batch * p.Hq + head) * p.Sq_pad + row) * HEAD_DIM + col);
+    const float4 a = src[0], b = src[1];
+    uint4 out;
+    out.x = pack2<IS_BF16>(a.x, a.y);
+    out.y = pack2<IS_BF16>(a.z, a.w);
+    out.z = pack2<IS_BF16>(b.x, b.y);
+    out.w = pack2<IS_BF16>(b.z, b.w);
+    *reinterpret_cast<uint4*>(p.dq + batch * p.dq_sb + (i64)row * p.dq_ss + head * p.dq_sh + col) = out;
+}
+
+}  // namespace bwd_rows
