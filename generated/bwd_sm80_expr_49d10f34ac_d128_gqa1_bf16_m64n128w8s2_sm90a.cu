@@ -90,6 +90,8 @@ constexpr int NUM_STAGES = 2;
 constexpr int GQA_RATIO = 1;
 // Hopper's red.global.add.v4.f32 adds four dQ values per instruction.
 constexpr bool VECTOR_RED = true;
+constexpr int DQ_PARTS = 1;  // the dQ accumulator is row-major (bwd_rows.cuh dq_offset)
+constexpr bool DQ_SWIZZLED = false;
 constexpr int PREP_THREADS = 256;
 constexpr int DQ_THREADS = 256;
 }  // namespace cfg
@@ -504,13 +506,27 @@ __device__ __forceinline__ float finish_row(float max2, float sum, int q, int Sq
 // prep (D, the LSE in log2, the dQ accumulator zeroed) and convert_dq (the fp32 accumulator to dQ),
 // and add_dq, which main kernels use to add an m16 x n8 accumulator tile to the accumulator.
 // attngen/families/bwd_shared.py launches them. Needs, from the rendered template: struct BwdParams
-// and namespace cfg { HEAD_DIM, IS_BF16, elem_t, VECTOR_RED, PREP_THREADS, DQ_THREADS }.
+// and namespace cfg { HEAD_DIM, BLOCK_M, IS_BF16, elem_t, VECTOR_RED, DQ_PARTS, DQ_SWIZZLED, PREP_THREADS,
+// DQ_THREADS }.
 
 namespace bwd_rows {
 
 using namespace cfg;
 using Params = BwdParams;
 constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
+
+// Where the accumulator keeps dQ element (row, col) of one (batch, head), in floats from its first row.
+// Row-major for DQ_PARTS = 1 without DQ_SWIZZLED. Otherwise (a family that adds whole blocks from
+// shared memory with bulk reductions) each BLOCK_M-row block is DQ_PARTS column parts one after
+// another, row-major within a part, and with DQ_SWIZZLED a row's 16-byte units are XOR-permuted by the
+// row within 8 (in groups of 8 units), which keeps the family's shared-memory stores free of bank
+// conflicts. The prep kernel zeroes whole rows, so any layout within a block is zeroed.
+__device__ __forceinline__ i64 dq_offset(int row, int col) {
+    constexpr int PART = HEAD_DIM / DQ_PARTS;
+    const int r = row % BLOCK_M, part = col / PART, c = col % PART;
+    const int unit = DQ_SWIZZLED ? ((c / 4) & ~7) | (((c / 4) ^ r) & 7) : c / 4;
+    return (i64)(row - r) * HEAD_DIM + part * BLOCK_M * PART + r * PART + unit * 4 + c % 4;
+}
 
 // One element's bits (the low 16 of `bits`) as a float.
 __device__ __forceinline__ float to_float(u32 bits) {
@@ -589,9 +605,9 @@ __device__ __forceinline__ void convert_dq(const Params& p) {
     const int r = threadIdx.x / CHUNKS, col = (threadIdx.x % CHUNKS) * 8;
     const int row = blockIdx.x * ROWS + r, head = blockIdx.y, batch = blockIdx.z;
     if (r >= ROWS || row >= p.Sq) return;
-    const float4* src = reinterpret_cast<const float4*>(
-        p.dq_acc + (((i64)batch * p.Hq + head) * p.Sq_pad + row) * HEAD_DIM + col);
-    const float4 a = src[0], b = src[1];
+    const float* acc = p.dq_acc + ((i64)batch * p.Hq + head) * p.Sq_pad * HEAD_DIM;
+    const float4 a = *reinterpret_cast<const float4*>(acc + dq_offset(row, col));
+    const float4 b = *reinterpret_cast<const float4*>(acc + dq_offset(row, col + 4));
     uint4 out;
     out.x = pack2<IS_BF16>(a.x, a.y);
     out.y = pack2<IS_BF16>(a.z, a.w);

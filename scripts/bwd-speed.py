@@ -1,7 +1,11 @@
-"""Backward speed, development check: bwd_sm80 (direct launches) against SDPA's flash and cuDNN
-backends, forward+backward TFLOP/s in the FlashAttention papers' setup (batch x seqlen = 16k,
-hidden 2048). Prints one line per case."""
+"""Backward speed, development check: a backward family (direct launches) against SDPA's flash and
+cuDNN backends, forward+backward TFLOP/s in the FlashAttention papers' setup (batch x seqlen = 16k,
+hidden 2048). Prints one line per case.
 
+    python scripts/bwd-speed.py [--family bwd_sm90|bwd_sm80] [--causal | --short]
+"""
+
+import argparse
 import sys
 
 import torch
@@ -18,7 +22,7 @@ from attngen.runtime.dispatch import Kernel
 from attngen.runtime.tensors import describe
 from attngen.spec import AttentionSpec
 
-FAMILY = BACKWARD_FAMILIES["bwd_sm80"]
+FAMILY = None  # set from --family
 
 
 def _time_s(fn):
@@ -43,7 +47,7 @@ def case(S, D, causal, config=None):
     t_fwd = _time_s(lambda: attngen.attention(q, k, v, mask=mask))
     t_bwd = _time_s(lambda: kernel.run(call, stream, q))
     flops = _flops(B, H, S, D, causal)
-    line = [f"d{D} {'causal' if causal else 'full'} {S} {cfg.label()}: attngen fwd {flops / t_fwd / 1e12:.0f} "
+    line = [f"d{D} {'causal' if causal else 'full'} {S} {FAMILY.name} {cfg.label()}: attngen fwd {flops / t_fwd / 1e12:.0f} "
             f"bwd {2.5 * flops / t_bwd / 1e12:.0f} fwd+bwd {3.5 * flops / (t_fwd + t_bwd) / 1e12:.0f}"]
     qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -60,22 +64,34 @@ def case(S, D, causal, config=None):
     print(" | ".join(line), flush=True)
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--causal"]:
-    for D in (128, 64):
-        for S in (2048, 8192):
-            case(S, D, True)
-    case(8192, 128, False)
-    sys.exit(0)
-
-if __name__ == "__main__":
+def main():
+    global FAMILY
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--family", default=next(iter(BACKWARD_FAMILIES)))
+    parser.add_argument("--causal", action="store_true", help="causal cases and one full one")
+    parser.add_argument("--short", action="store_true", help="d64/d128 x full/causal at 2k and 8k, no config sweep")
+    args = parser.parse_args()
+    FAMILY = BACKWARD_FAMILIES[args.family]
+    if args.causal:
+        for D in (128, 64):
+            for S in (2048, 8192):
+                case(S, D, True)
+        case(8192, 128, False)
+        return
     for D in (128, 64):
         for causal in (False, True):
             for S in (2048, 8192):
                 case(S, D, causal)
+    if args.short or FAMILY.name != "bwd_sm80":
+        return
     for config in ({"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 1},
                    {"block_m": 32, "block_n": 128, "num_warps": 8}, {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 1}):
         case(8192, 128, True, config)
     for config in ({"block_m": 64, "block_n": 64, "num_warps": 4}, {"block_m": 128, "block_n": 128, "num_warps": 4},
                    {"block_m": 64, "block_n": 128, "num_warps": 8}, {"block_m": 128, "block_n": 64, "num_warps": 4}):
         case(8192, 64, True, config)
+
+
+if __name__ == "__main__":
+    main()
     sys.exit(0)

@@ -190,19 +190,24 @@ def test_a_prepared_empty_call_gives_zeros_and_packs_nothing():
 
 
 # -- plans ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("target", [A100, H100], ids=lambda t: t.name)
-def test_the_backward_plan_is_a_backward_familys(target):
+@pytest.mark.parametrize(("target", "expected"), [(A100, "bwd_sm80"), (H100, "bwd_sm90")], ids=lambda t: getattr(t, "name", t))
+def test_the_backward_plan_is_the_preferred_backward_familys(target, expected):
     plan = backward_plan(SPEC, target)
-    assert plan.family == "bwd_sm80" and plan.name.startswith("bwd_sm80_causal_d128_gqa4_bf16_")
-    family = attngen.families.BACKWARD_FAMILIES["bwd_sm80"]
+    assert plan.family == expected and plan.name.startswith(f"{expected}_causal_d128_gqa4_bf16_")
+    family = attngen.families.BACKWARD_FAMILIES[expected]
     assert plan.config == family.default_config(SPEC.problem, target)
+
+
+def test_a_head_dim_the_hopper_backward_lacks_falls_to_the_mma_sync_family():
+    plan = backward_plan(SPEC.replace(head_dim=96), H100)
+    assert plan.family == "bwd_sm80"
 
 
 def test_a_pinned_forward_family_leaves_the_backward_its_defaults():
     for spec in (SPEC.replace(family="fwd_sm80", config={"block_m": 64}), SPEC.replace(family="fwd_sm90")):
         plan = backward_plan(spec, H100)
-        family = attngen.families.BACKWARD_FAMILIES["bwd_sm80"]
-        assert plan.family == "bwd_sm80" and plan.config == family.default_config(SPEC.problem, H100)
+        family = attngen.families.BACKWARD_FAMILIES["bwd_sm90"]
+        assert plan.family == "bwd_sm90" and plan.config == family.default_config(SPEC.problem, H100)
 
 
 def test_a_pinned_backward_family_keeps_its_config():

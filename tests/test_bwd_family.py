@@ -43,7 +43,7 @@ def call(B=2, Sq=100, Sk=300, Hq=8, Hkv=2, D=128):
 
 def test_the_backward_registry_holds_the_family_and_select_finds_it():
     spec = AttentionSpec(head_dim=128, mask="causal")
-    assert families.select(spec.problem, H100, None, "backward") is FAMILY
+    assert families.select(spec.problem, A100, None, "backward") is FAMILY  # sm_90a prefers bwd_sm90
     assert families.get_family("bwd_sm80") is FAMILY
     with pytest.raises(SpecError, match="family='bwd_sm80' is a backward family"):
         families.select(spec.problem, H100, "bwd_sm80", "forward")

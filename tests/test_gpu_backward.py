@@ -1,5 +1,5 @@
 """The backward on a GPU (marker `gpu`): attngen.attention's gradients (torch autograd through the
-backward op, attngen/families/bwd_sm80/) against float64 autograd of the reference
+backward op; every test once per backward family, attngen/families/bwd_sm90/ and bwd_sm80/) against float64 autograd of the reference
 (reference.attention_grads), held to the bounds derived in attngen/tolerance.py ("Gradients"):
 fp16 and bf16, head dims 64, 96, 128; masks none, causal, a sliding window and packed documents;
 Sq != Sk both ways (bottom-right causal), odd lengths, GQA; score modifiers; a learned sink and its
@@ -13,9 +13,23 @@ from __future__ import annotations
 import pytest
 
 import attngen
-from attngen import reference, tolerance
+from attngen import families, reference, tolerance
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True, params=families.BACKWARD_REGISTERED)
+def backward_family(request, monkeypatch):
+    """Each test once per backward family, that family first in the order of preference: a problem it
+    cannot run (bwd_sm90 on another GPU than sm_90, or at head_dim 96) falls to the next one."""
+    from attngen.runtime import backward
+
+    chosen = request.param
+    monkeypatch.setattr(families, "BACKWARD_FAMILIES",
+                        {chosen: families.BACKWARD_FAMILIES[chosen], **families.BACKWARD_FAMILIES})
+    backward.forget()
+    yield chosen
+    backward.forget()
 
 DOC_MASK = "doc[b, q_idx] == doc[b, kv_idx] and causal"
 DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}

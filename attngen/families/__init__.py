@@ -18,7 +18,7 @@ REGISTERED = ("fwd_sm90", "fwd_sm80")
 # Families of the decode front door (attngen.decode): a call of new tokens against a KV cache.
 DECODE_REGISTERED = ("decode_sm80",)
 # Families of attention()'s backward: q, k, v gradients from the forward's output and LSE.
-BACKWARD_REGISTERED = ("bwd_sm80",)
+BACKWARD_REGISTERED = ("bwd_sm90", "bwd_sm80")
 
 FAMILIES: dict[str, KernelFamily] = {
     name: importlib.import_module(f"attngen.families.{name}").FAMILY for name in REGISTERED
