@@ -716,8 +716,9 @@ __device__ __forceinline__ void to_operands(u32 (&pf)[PK][4], u32 (&dsf)[PK][4],
                 const int col = 8 * (i >> 2) + 2 * t + e;
                 const int q = item.m0 + col, k = key_lo + 8 * (j & 1);
                 // Positions outside the tensors: never handed to the modifier or the mask, whose
-                // runtime inputs are only checked over them.
-                const bool in = q < p.Sq && k < p.Sk;
+                // runtime inputs are only checked over them. A fully visible block has every key in
+                // range, and its rows past Sq have lse2 = +inf and dO = 0: P = dS = 0 there untested.
+                const bool in = MASKED || score::MODIFIED ? q < p.Sq && k < p.Sk : true;
                 float x = s[i], grad = 1.f;
                 if constexpr (score::MODIFIED) {
                     if (in) {

@@ -1,7 +1,10 @@
-"""Direct launches of bwd_sm80 against float64 autograd of the reference (a development check).
+"""Direct launches of a backward family against float64 autograd of the reference (a development check).
 
 Runs the family's kernels through dispatch.Kernel on a hand-made BackwardCall, so it needs no
-front door; prints the worst relative error of dq, dk, dv per case."""
+front door; prints the worst relative error of dq, dk, dv per case.
+
+    python scripts/bwd-smoke.py [--family bwd_sm90|bwd_sm80] [--quick]
+"""
 
 import sys
 
@@ -15,7 +18,8 @@ from attngen.runtime.tensors import describe
 from attngen.spec import AttentionSpec
 import attngen
 
-FAMILY = BACKWARD_FAMILIES["bwd_sm80"]
+ARGS = sys.argv[1:]
+FAMILY = BACKWARD_FAMILIES[ARGS[ARGS.index("--family") + 1] if "--family" in ARGS else "bwd_sm80"]
 
 
 def run_case(B, Sq, Sk, Hq, Hkv, D, dtype, mask="none", score_mod=None, sink=None, inputs=None, config=None, seed=0):
@@ -59,11 +63,11 @@ def quick():
     doc = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), torch.tensor([40, 50, 40]))[None].cuda()
     run_case(1, 130, 130, 4, 2, 128, "bf16", "doc[b, q_idx] == doc[b, kv_idx] and causal", inputs={"doc": doc})
     sinks = torch.randn(2, device="cuda", dtype=torch.float32)
-    run_case(1, 100, 100, 2, 2, 96, "bf16", "causal", score_mod="softcap(30.0)", sink="sinks[h]",
-             inputs={"sinks": sinks})
+    d = 96 if FAMILY.supports(AttentionSpec(head_dim=96).problem, targets.device_target(0)) is None else 64
+    run_case(1, 100, 100, 2, 2, d, "bf16", "causal", score_mod="softcap(30.0)", sink="sinks[h]", inputs={"sinks": sinks})
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--quick"]:
+if __name__ == "__main__" and "--quick" in ARGS:
     quick()
     sys.exit(0)
 
