@@ -9,6 +9,10 @@ the current stream, which CUDA graphs capture. Eager calls on plain tensors
 skip the dispatcher's op machinery and run the same implementation directly (EAGER_DIRECT),
 which saves its per-call overhead. CuPy arrays take the runtime directly.
 
+With dropout (docs/dropout.md), both ops take one more tensor, `rng`: the call's int64 [seed,
+offset], drawn on the GPU from torch's generator (or made from an int seed), which the autograd
+formula saves so the backward regenerates the forward's mask.
+
 Gradients: the forward op has an autograd formula (register_autograd) that calls a second op,
 `torch.ops.attngen.backward(dout, q, k, v, out, lse, dlse, spec_key, softmax_scale, input_names,
 inputs)` -> (dq, dk, dv), run by a backward family (attngen/runtime/backward.py,
@@ -31,10 +35,11 @@ from attngen.spec import HEAD_DIMS, MAX_GQA_RATIO, AttentionSpec
 
 OP = "attngen::forward"
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, str spec_key, float? softmax_scale, str[]? input_names=None, "
-          "Tensor[]? inputs=None) -> (Tensor, Tensor)")
+          "Tensor[]? inputs=None, Tensor? rng=None) -> (Tensor, Tensor)")
 BACKWARD_OP = "attngen::backward"
 BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, str spec_key, "
-                   "float? softmax_scale, str[]? input_names=None, Tensor[]? inputs=None) -> (Tensor, Tensor, Tensor)")
+                   "float? softmax_scale, str[]? input_names=None, Tensor[]? inputs=None, Tensor? rng=None) -> "
+                   "(Tensor, Tensor, Tensor)")
 # Eager calls on plain tensors, with autograd not needed, run the op's implementation directly.
 EAGER_DIRECT = True
 _SPEC_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
@@ -42,7 +47,7 @@ _SPEC_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 
 def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = None, score_mod: str | None = None,
               sink: str | None = None, inputs: dict | None = None, softmax_scale: float | None = None,
-              return_lse: bool = False):
+              return_lse: bool = False, dropout_p: float = 0.0, dropout_seed=None):
     """Attention forward, softmax(score_mod(scale * q k^T) + mask) v, in one fused kernel.
 
     Args:
@@ -75,6 +80,18 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
             score_mod="alibi" with inputs={"slope": slopes of shape (heads_q,)}). Every index the
             expression computes over the call must lie inside the tensor: checked before launch.
         return_lse: also return the log-sum-exp of each row's scaled (and modified) scores.
+        dropout_p: dropout of the attention probabilities (training), fused into the kernels: 0
+            (default) or a float in (1/512, 511/512], realised as the nearest multiple of 1/256
+            (docs/dropout.md). Kept probabilities are scaled by 1 / (1 - p); the row sums and the
+            LSE are those of the undropped probabilities. With a spec, the spec's dropout_p applies,
+            and a dropout_p > 0 here must equal it.
+        dropout_seed: which elements are dropped: None (default) draws a fresh [seed, offset] on
+            the GPU from torch's default CUDA generator (torch.manual_seed reproduces it; a CUDA
+            graph draws a new one each replay); an int in [0, 2**64) fixes it (offset 0), the same
+            seed giving the same mask; or an int64 tensor [seed, offset] of shape (2,) on q's
+            device, read when the kernel runs. Ignored when dropout_p is 0. The element (b, h, i,
+            j) is kept by a pure function of (seed, offset, b, h, i, j) (docs/dropout.md), whatever
+            the kernel family or tile, so the backward regenerates the forward's mask exactly.
 
     Returns:
         out, like q (new, contiguous), in q's dtype; with return_lse, (out, lse) where lse is
@@ -98,8 +115,10 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
         ValueError (SpecError for spec fields): a bad argument, naming it, its value and what is
         allowed: wrong device, dtype, rank, head dim, head counts, a non-contiguous last
         dimension, misaligned rows, a spec that disagrees with the tensors, a runtime input that
-        requires grad but is read by the mask or score modifier.
+        requires grad but is read by the mask or score modifier, a dropout_p the kernels cannot
+        realise, a dropout_seed that is no int in [0, 2**64) or an int64 CUDA tensor of shape (2,).
     """
+    _check_seed(dropout_seed)
     if type(q).__module__.startswith("torch"):
         import torch
 
@@ -107,21 +126,66 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
         grad = _needs_grad(torch, q, k, v, inputs)
         if EAGER_DIRECT and not grad and type(q) is torch.Tensor and type(k) is torch.Tensor \
                 and type(v) is torch.Tensor and not torch.compiler.is_compiling():
-            out, lse = _eager(torch, q, k, v, spec, (mask, score_mod, sink), softmax_scale, inputs)
+            out, lse = _eager(torch, q, k, v, spec, (mask, score_mod, sink), softmax_scale, inputs, dropout_p,
+                              dropout_seed)
         else:
-            key = _spec_key(q, k, spec, mask, score_mod, sink)
+            key = _spec_key(q, k, spec, mask, score_mod, sink, dropout_p)
             names, tensors = _split_inputs(inputs)
             if grad:  # before the forward runs: the op's autograd formula checks only after it
                 _check_grad_inputs(key, names, tensors)
                 if q.is_cuda and not torch.compiler.is_compiling():
                     _check_backward_supported(key, q.get_device())
-            out, lse = (_OP or register())(q, k, v, key, softmax_scale, names, tensors)
+            rng = _rng(torch, q, spec.dropout_p if spec is not None else dropout_p, dropout_seed)
+            op = _OP or register()
+            out, lse = op(q, k, v, key, softmax_scale, names, tensors) if rng is None else \
+                op(q, k, v, key, softmax_scale, names, tensors, rng)
     else:
         from attngen.runtime.dispatch import forward
 
-        out, lse = forward(q, k, v, _spec_from_key(_spec_key(q, k, spec, mask, score_mod, sink)),
-                           softmax_scale=softmax_scale, inputs=inputs)
+        key = _spec_key(q, k, spec, mask, score_mod, sink, dropout_p)
+        out, lse = forward(q, k, v, _spec_from_key(key), softmax_scale=softmax_scale, inputs=inputs,
+                           rng=_cupy_rng(q, spec.dropout_p if spec is not None else dropout_p, dropout_seed))
     return (out, lse) if return_lse else out
+
+
+def _check_seed(seed) -> None:
+    """ValueError naming dropout_seed unless it is None, an int in [0, 2**64) or a tensor (checked at launch)."""
+    if seed is None or (hasattr(seed, "dtype") and hasattr(seed, "shape")):
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"dropout_seed={seed!r} is invalid; allowed: None (drawn from torch's CUDA generator), an "
+                         "int in [0, 2**64), or an int64 tensor [seed, offset] of shape (2,) on q's device")
+
+
+def _rng(torch, q, p: float, seed):
+    """The int64 tensor [seed, offset] the kernels read for dropout p (None without dropout): drawn
+    on q's device from torch's default generator, made from an int seed (offset 0), or the caller's
+    tensor. Kernel launches only: traceable, and capturable in a CUDA graph."""
+    if not p:
+        return None
+    if seed is None:
+        # 62 random bits each; the kernels use the seed's 64 bits and the offset's low 32.
+        return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=q.device)
+    if isinstance(seed, int):
+        rng = torch.zeros(2, dtype=torch.int64, device=q.device)
+        rng[0] = seed - 2**64 if seed >= 2**63 else seed  # the same 64 bits, as int64
+        return rng
+    return seed
+
+
+def _cupy_rng(q, p: float, seed):
+    """_rng for CuPy arrays: an int seed or the caller's array (CuPy has no torch generator to draw from)."""
+    if not p:
+        return None
+    if seed is None:
+        raise ValueError(f"dropout_p={p} on CuPy arrays needs dropout_seed: an int in [0, 2**64) or an int64 array "
+                         "[seed, offset] of shape (2,) on q's device")
+    if isinstance(seed, int):
+        import cupy
+
+        with cupy.cuda.Device(q.device.id):
+            return cupy.array([seed - 2**64 if seed >= 2**63 else seed, 0], dtype=cupy.int64)
+    return seed
 
 
 def _needs_grad(torch, q, k, v, inputs) -> bool:
@@ -178,7 +242,7 @@ def _split_inputs(inputs) -> tuple[list, list]:
     return names, [inputs[name] for name in names]
 
 
-def _eager(torch, q, k, v, spec, texts, softmax_scale, inputs=None):
+def _eager(torch, q, k, v, spec, texts, softmax_scale, inputs=None, dropout_p=0.0, dropout_seed=None):
     """The op's implementation for plain tensors, called directly. A layout seen before (same
     arguments, shapes, strides, dtypes, devices; pointers 16-byte aligned) runs its Prepared call
     (attngen/runtime/prepared.py) without repeating the checks: the launch overhead of a tiny call."""
@@ -187,27 +251,39 @@ def _eager(torch, q, k, v, spec, texts, softmax_scale, inputs=None):
     key = None
     names, tensors = _split_inputs(inputs)
     if all(text is None or type(text) is str for text in texts) \
-            and (softmax_scale is None or type(softmax_scale) in (float, int)) \
-            and (spec is None or type(spec) is AttentionSpec) and all(type(t) is torch.Tensor for t in tensors):
-        key = (spec, texts, softmax_scale, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(),
+            and (softmax_scale is None or type(softmax_scale) in (float, int)) and type(dropout_p) in (float, int) \
+            and (spec is None or type(spec) is AttentionSpec) and all(type(t) is torch.Tensor for t in tensors) \
+            and (dropout_seed is None or type(dropout_seed) is int):
+        key = (spec, texts, softmax_scale, dropout_p, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(),
                k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device,
                tuple((name, t.shape, t.stride(), t.dtype, t.device) for name, t in zip(names, tensors)))
         prepared = dispatch.eager_prepared.get(key)
         if prepared is not None and not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16) \
                 and prepared.current():
-            return prepared.run_torch(torch, q, k, v, torch_stream(torch, prepared.device), tensors)
-    prepared = dispatch.prepare(q, k, v, _spec_from_key(_spec_key(q, k, spec, *texts)), softmax_scale, inputs)
+            rng = _rng(torch, q, prepared.kernel.plan.problem.dropout_p, dropout_seed)
+            return prepared.run_torch(torch, q, k, v, torch_stream(torch, prepared.device), tensors, rng)
+    spec = _spec_from_key(_spec_key(q, k, spec, *texts, dropout_p))
+    rng = _rng(torch, q, spec.dropout_p, dropout_seed)
+    prepared = dispatch.prepare(q, k, v, spec, softmax_scale, inputs, rng)
     if key is not None:
         dispatch.remember(dispatch.eager_prepared, key, prepared)
-    return prepared.run_torch(torch, q, k, v, torch_stream(torch, prepared.device), tensors)
+    return prepared.run_torch(torch, q, k, v, torch_stream(torch, prepared.device), tensors, rng)
 
 
-def _spec_key(q, k, spec, mask, score_mod=None, sink=None) -> str:
+def _spec_key(q, k, spec, mask, score_mod=None, sink=None, dropout_p=0.0) -> str:
     """The canonical key of the spec a call runs: pure Python over tensor metadata, so torch.compile
     traces it into constants."""
+    from attngen import dropout
+
+    reason = dropout.problem(dropout_p)
+    if reason is not None:
+        raise ValueError(reason)
     if spec is not None:
         if not isinstance(spec, AttentionSpec):
             raise ValueError(f"spec must be an attngen.AttentionSpec or None, got {type(spec).__name__}")
+        if dropout_p and dropout_p != spec.dropout_p:
+            raise ValueError(f"dropout_p={dropout_p!r} conflicts with the spec's dropout_p={spec.dropout_p!r}; "
+                             "allowed: 0 (the spec's applies) or the spec's value")
         if mask is not None and _known_texts("mask", mask)[0] != spec.mask:
             raise ValueError(f"mask={mask!r} conflicts with the spec's mask={spec.mask!r}; allowed: None or the "
                              "spec's mask")
@@ -233,9 +309,11 @@ def _spec_key(q, k, spec, mask, score_mod=None, sink=None) -> str:
     if heads_kv < 1 or heads_q % heads_kv or not 1 <= heads_q // heads_kv <= MAX_GQA_RATIO:
         raise ValueError(f"q has {heads_q} heads and k has {heads_kv}; allowed: heads_q a multiple of heads_kv, "
                          f"at most {MAX_GQA_RATIO} times")
-    # AttentionSpec.key()'s canonical JSON, spelled out (fields sorted, no spaces).
-    return (f'{{"dtype":"{dtype}","gqa_ratio":{heads_q // heads_kv},"head_dim":{head_dim},"mask":{mask_json}'
-            f'{score_json}{sink_json}}}')
+    # AttentionSpec.key()'s canonical JSON, spelled out (fields sorted, no spaces; dropout_p sorts first).
+    # repr is json.dumps's spelling of a finite float, and dynamo traces it (not the json encoder).
+    dropout_json = f'"dropout_p":{float(dropout_p)!r},' if dropout_p else ""
+    return (f'{{{dropout_json}"dtype":"{dtype}","gqa_ratio":{heads_q // heads_kv},"head_dim":{head_dim},'
+            f'"mask":{mask_json}{score_json}{sink_json}}}')
 
 
 def _known_texts(kind: str, text) -> tuple[str | None, str]:
@@ -272,14 +350,14 @@ def _spec_from_key(key: str) -> AttentionSpec:
     return AttentionSpec.from_key(key)
 
 
-def _forward_impl(q, k, v, spec_key: str, softmax_scale: float | None, input_names=None, inputs=None):
+def _forward_impl(q, k, v, spec_key: str, softmax_scale: float | None, input_names=None, inputs=None, rng=None):
     from attngen.runtime.dispatch import forward
 
     return forward(q, k, v, _spec_from_key(spec_key), softmax_scale=softmax_scale,
-                   inputs=dict(zip(input_names or (), inputs or ())) or None)
+                   inputs=dict(zip(input_names or (), inputs or ())) or None, rng=rng)
 
 
-def _forward_fake(q, k, v, spec_key: str, softmax_scale: float | None, input_names=None, inputs=None):
+def _forward_fake(q, k, v, spec_key: str, softmax_scale: float | None, input_names=None, inputs=None, rng=None):
     """Shapes and dtypes of the outputs, after the checks that need no data."""
     from attngen.runtime import checks
     from attngen.runtime.tensors import TensorInfo
@@ -298,7 +376,8 @@ def _forward_fake(q, k, v, spec_key: str, softmax_scale: float | None, input_nam
              for name, t in zip(input_names or (), inputs or ())}
     out_info = TensorInfo("out", "torch", 0, (B, Sq, Hq, D), (Sq * Hq * D, Hq * D, D, 1), infos[0].dtype, infos[0].device)
     lse_info = TensorInfo("lse", "torch", 0, (B, Hq, Sq), (Hq * Sq, Sq, 1), "float32", infos[0].device)
-    checks.forward_call(spec.problem, *infos, out_info, lse_info, softmax_scale, given)  # the runtime inputs too
+    rng_info = None if rng is None else _meta_info("rng", rng)
+    checks.forward_call(spec.problem, *infos, out_info, lse_info, softmax_scale, given, rng_info)  # inputs, rng too
     return q.new_empty((B, Sq, Hq, D)), q.new_empty((B, Hq, Sq), dtype=_torch().float32)
 
 
@@ -313,15 +392,15 @@ def _meta_info(name: str, t):
 
 
 def _backward_impl(dout, q, k, v, out, lse, dlse, spec_key: str, softmax_scale: float | None, input_names=None,
-                   inputs=None):
+                   inputs=None, rng=None):
     from attngen.runtime.backward import backward_torch
 
     return backward_torch(_torch(), dout, q, k, v, out, lse, dlse, _spec_from_key(spec_key), softmax_scale,
-                          list(input_names or ()), list(inputs or ()))
+                          list(input_names or ()), list(inputs or ()), rng)
 
 
 def _backward_fake(dout, q, k, v, out, lse, dlse, spec_key: str, softmax_scale: float | None, input_names=None,
-                   inputs=None):
+                   inputs=None, rng=None):
     """Shapes and dtypes of dq (q's), dk and dv (k's), after the checks that need no data."""
     from attngen.runtime import backward as runtime
 
@@ -333,17 +412,21 @@ def _backward_fake(dout, q, k, v, out, lse, dlse, spec_key: str, softmax_scale: 
     grads = [runtime.contiguous_info(name, ref.shape, ref.dtype, ref)
              for name, ref in (("dq", qi), ("dk", ki), ("dv", ki))]
     given = {name: _meta_info(f"inputs[{name!r}]", t) for name, t in zip(input_names or (), inputs or ())}
-    runtime.backward_call(spec.problem, qi, ki, vi, oi, li, di, dli, *grads, softmax_scale, given)
+    rng_info = None if rng is None else _meta_info("rng", rng)
+    runtime.backward_call(spec.problem, qi, ki, vi, oi, li, di, dli, *grads, softmax_scale, given, rng_info)
     return q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    """Saves what the backward reads: q, k, v, the outputs, the runtime inputs and the call's arguments."""
-    q, k, v, spec_key, softmax_scale, input_names, tensors = inputs
+    """Saves what the backward reads: q, k, v, the outputs, the runtime inputs, dropout's [seed, offset]
+    and the call's arguments."""
+    q, k, v, spec_key, softmax_scale, input_names, tensors, *rest = inputs
+    rng = rest[0] if rest else None
     _check_grad_inputs(spec_key, input_names, tensors)  # callers of the op itself, too
     out, lse = output
     ctx.set_materialize_grads(False)  # an output the loss ignores gets None, not a tensor of zeros
-    ctx.save_for_backward(q, k, v, out, lse, *(tensors or ()))
+    ctx.save_for_backward(q, k, v, out, lse, *(tensors or ()), *(() if rng is None else (rng,)))
+    ctx.has_rng = rng is not None
     ctx.spec_key, ctx.softmax_scale = spec_key, softmax_scale
     ctx.input_names = list(input_names or ())
     ctx.has_inputs = tensors is not None  # the gradient of `inputs` mirrors its structure
@@ -354,8 +437,9 @@ def _backward(ctx, grad_out, grad_lse):
     gradients in torch; None for the arguments that are not tensors."""
     torch = _torch()
     q, k, v, out, lse, *tensors = ctx.saved_tensors
+    rng = tensors.pop() if ctx.has_rng else None  # the forward's [seed, offset]: the same mask
     # One entry per argument the call passed (the dispatcher drops trailing defaults): q, k, v,
-    # spec_key, softmax_scale, then input_names and inputs (a list of bools) when passed.
+    # spec_key, softmax_scale, then input_names and inputs (a list of bools) and rng when passed.
     needs = ctx.needs_input_grad
     dq = dk = dv = input_grads = None
     if grad_out is not None or grad_lse is not None:
@@ -363,14 +447,15 @@ def _backward(ctx, grad_out, grad_lse):
         dlse = None if grad_lse is None else grad_lse.contiguous()
         if any(needs[:3]):
             dq, dk, dv = torch.ops.attngen.backward(dout, q, k, v, out, lse, dlse, ctx.spec_key, ctx.softmax_scale,
-                                                    ctx.input_names, tensors if ctx.has_inputs else None)
+                                                    ctx.input_names, tensors if ctx.has_inputs else None,
+                                                    *(() if rng is None else (rng,)))
         input_grads = _input_grads(torch, ctx, needs, tensors, out, lse, dout, dlse, k.shape[1])
     elif ctx.has_inputs:
         input_grads = [None] * len(tensors)
     # torch (2.11) checks the formula's output against the inputs' structure: an empty input_names
     # list needs [], a non-empty one None.
     names_grad = [] if not ctx.input_names else None
-    return (dq, dk, dv, None, None, names_grad, input_grads)[:len(needs)]
+    return (dq, dk, dv, None, None, names_grad, input_grads, None)[:len(needs)]
 
 
 def _input_grads(torch, ctx, needs, tensors, out, lse, dout, dlse, seq_k):
@@ -447,14 +532,16 @@ def register():
     _SINK_INPUTS = torch.compiler.assume_constant_result(_sink_inputs)
 
     @torch.library.custom_op(OP, mutates_args=(), schema=SCHEMA)
-    def forward(q, k, v, spec_key, softmax_scale, input_names=None, inputs=None):
-        return _forward_impl(q, k, v, spec_key, softmax_scale, input_names, inputs)
+    def forward(q, k, v, spec_key, softmax_scale, input_names=None, inputs=None, rng=None):
+        # rng only with dropout: the call is then exactly the one before dropout existed.
+        return _forward_impl(q, k, v, spec_key, softmax_scale, input_names, inputs, *(() if rng is None else (rng,)))
 
     forward.register_fake(_forward_fake)
 
     @torch.library.custom_op(BACKWARD_OP, mutates_args=(), schema=BACKWARD_SCHEMA)
-    def backward(dout, q, k, v, out, lse, dlse, spec_key, softmax_scale, input_names=None, inputs=None):
-        return _backward_impl(dout, q, k, v, out, lse, dlse, spec_key, softmax_scale, input_names, inputs)
+    def backward(dout, q, k, v, out, lse, dlse, spec_key, softmax_scale, input_names=None, inputs=None, rng=None):
+        return _backward_impl(dout, q, k, v, out, lse, dlse, spec_key, softmax_scale, input_names, inputs,
+                              *(() if rng is None else (rng,)))
 
     backward.register_fake(_backward_fake)
     forward.register_autograd(_backward, setup_context=_setup_context)

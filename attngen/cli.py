@@ -31,7 +31,9 @@ def manifest(plan, source: str) -> dict:
     """What generated/<name>.json records: the resolved spec, the plan, the templates, the source hash."""
     from attngen.families import get_family
 
-    spec = {**{k: v for k, v in vars(plan.problem).items() if v is not None}, "family": plan.family,
+    from attngen.spec import is_set
+
+    spec = {**{k: v for k, v in vars(plan.problem).items() if is_set(k, v)}, "family": plan.family,
             "config": plan.config.to_dict(), "arch": plan.target.name}
     return {
         "generator": GENERATOR,

@@ -5,6 +5,8 @@ h // gqa_ratio; bottom-right causal alignment; LSE float32 natural log (B, Hq, S
 with no visible key gives output 0 and LSE -inf. Everything is computed densely in
 float64 (or float32) so the kernels have an exact yardstick. The mask is the mask's
 `dense_visible` predicate, kept in masks.py beside the CUDA lowering of the same mask.
+Dropout keeps exactly the elements the kernels keep (dropout_mask: attngen/philox.py's mapping),
+so a kernel with dropout compares with the reference as one without.
 """
 
 from __future__ import annotations
@@ -36,18 +38,23 @@ def attention(
     inputs: dict | None = None,
     sink: str | None = None,
     batch_offset: int = 0,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    dropout_offset: int = 0,
 ):
     """softmax(score_mod(scale * q k^T) + mask) v; returns out, or (out, lse) when return_lse.
     `inputs`: the runtime inputs the expressions read, by name (docs/masks.md); `sink`: a logit
     per row that joins the softmax's denominator only (so a row's weights sum to less than 1);
     `batch_offset`: the batch index the expressions see for q[0] (decode_attention runs one
-    sequence at a time)."""
+    sequence at a time); `dropout_p`, `dropout_seed`, `dropout_offset`: the kernels' dropout
+    (dropout_mask), applied to the probabilities that multiply v; the LSE is of the undropped ones."""
     ratio = _check_inputs(q, k, v, gqa_ratio, compute_dtype)
     lowering = get_mask(mask)  # raises ValueError naming mask= and what is allowed
     modifier = None if score_mod is None else get_score_mod(score_mod)
     B, Sq, Hq, D = q.shape
     scale = _check_scale(softmax_scale, D)
-    dense = _grouped(q, k, v, lowering, modifier, sink, scale, ratio, inputs, batch_offset, compute_dtype)
+    drop = _dropout_weights(dropout_p, dropout_seed, dropout_offset, q, k, ratio, batch_offset, compute_dtype)
+    dense = _grouped(q, k, v, lowering, modifier, sink, scale, ratio, inputs, batch_offset, compute_dtype, drop)
     out, lse = dense.out, dense.lse
 
     out = out.reshape(B, Hq, Sq, D).permute(0, 2, 1, 3).to(q.dtype)
@@ -56,9 +63,40 @@ def attention(
     return out, lse.reshape(B, Hq, Sq).to(torch.float32)
 
 
-def _grouped(q, k, v, lowering, modifier, sink, scale, ratio, inputs, batch_offset, compute_dtype):
+def dropout_mask(dropout_p: float, seed: int, offset: int, batch: int, heads: int, seq_q: int, seq_k: int, *,
+                 batch_offset: int = 0, device=None) -> torch.Tensor:
+    """(batch, heads, seq_q, seq_k) bool: the elements the kernels keep with dropout_p, for a call
+    whose rng tensor holds [seed, offset] (docs/dropout.md). All True for dropout_p 0."""
+    from attngen import philox
+
+    if not _check_dropout(dropout_p):
+        return torch.ones((batch, heads, seq_q, seq_k), dtype=torch.bool, device=device)
+    for name, value, top in (("dropout_seed", seed, 2**64), ("dropout_offset", offset, 2**63)):
+        if isinstance(value, bool) or not isinstance(value, int) or not -2**63 <= value < top:
+            raise ValueError(f"{name}={value!r} is invalid; allowed: an int in [-2**63, {top})")
+    from attngen.dropout import threshold
+
+    mask = philox.keep_mask(seed, offset, batch, heads, seq_q, seq_k, threshold(dropout_p), batch_offset)
+    return torch.from_numpy(mask).to(device)
+
+
+def _dropout_weights(dropout_p, seed, offset, q, k, ratio, batch_offset, compute_dtype):
+    """The factor on each probability that multiplies v, grouped (B, Hkv, ratio, Sq, Sk): 0 where
+    dropped, 1 / (1 - p) of the realised p where kept; None without dropout."""
+    from attngen import dropout
+
+    if not _check_dropout(dropout_p):
+        return None
+    B, Sq, Hq, _ = q.shape
+    keep = dropout_mask(dropout_p, seed, offset, B, Hq, Sq, k.shape[1], batch_offset=batch_offset, device=q.device)
+    weights = keep.to(compute_dtype) * dropout.keep_scale(dropout_p)
+    return weights.reshape(B, Hq // ratio, ratio, Sq, k.shape[1])
+
+
+def _grouped(q, k, v, lowering, modifier, sink, scale, ratio, inputs, batch_offset, compute_dtype, drop=None):
     """attention()'s dense computation with query heads grouped by the kv head they read: every
-    intermediate in the layout (B, Hkv, ratio, Sq, Sk) (rows: (B, Hkv, ratio, Sq))."""
+    intermediate in the layout (B, Hkv, ratio, Sq, Sk) (rows: (B, Hkv, ratio, Sq)). `drop`: the
+    dropout weights (_dropout_weights), or None."""
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     # Group query heads by the kv head they read: (B, Hkv, ratio, Sq, D). No copy of k/v.
@@ -88,16 +126,17 @@ def _grouped(q, k, v, lowering, modifier, sink, scale, ratio, inputs, batch_offs
         lse = torch.logaddexp(lse, sinks)
     # Subtracting a -inf LSE would give NaN; with 0 instead every exp(-inf) is exactly 0.
     probs = torch.exp(scores - torch.where(lse == -math.inf, 0.0, lse)[..., None])
-    out = torch.einsum("bgrqk,bgkd->bgrqd", probs, vg)
+    out = torch.einsum("bgrqk,bgkd->bgrqd", probs if drop is None else probs * drop, vg)
     return SimpleNamespace(qg=qg, kg=kg, vg=vg, raw=raw, scores=scores, visible=visible, lse=lse, sinks=sinks,
-                           probs=probs, out=out, index=(q_idx, kv_idx, b, h))
+                           probs=probs, out=out, index=(q_idx, kv_idx, b, h), drop=drop)
 
 
 def attention_for_spec(
     q, k, v, spec, softmax_scale: float | None = None, return_lse: bool = False, compute_dtype=torch.float64,
-    inputs: dict | None = None,
+    inputs: dict | None = None, dropout_seed: int = 0, dropout_offset: int = 0,
 ):
-    """attention() with mask, score modifier, gqa_ratio and scale taken from an AttentionSpec (or its Problem).
+    """attention() with mask, score modifier, gqa_ratio, scale and dropout_p taken from an
+    AttentionSpec (or its Problem); with dropout, the call's seed and offset.
 
     Inputs may be in the spec's dtype or upcast to float32/float64 (a more exact reference). An
     explicit softmax_scale is held to what a kernel call accepts (attngen/runtime/checks.py).
@@ -114,14 +153,15 @@ def attention_for_spec(
     return attention(
         q, k, v, mask=problem.mask, softmax_scale=check_scale(softmax_scale, problem), gqa_ratio=problem.gqa_ratio,
         return_lse=return_lse, compute_dtype=compute_dtype, score_mod=problem.score_mod, inputs=inputs,
-        sink=problem.sink,
+        sink=problem.sink, dropout_p=problem.dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     )
 
 
 def attention_grads(
     q, k, v, dout, *, mask: str = "none", softmax_scale: float | None = None, gqa_ratio: int | None = None,
     score_mod: str | None = None, inputs: dict | None = None, sink: str | None = None, dlse=None,
-    grad_inputs: tuple = (), batch_offset: int = 0,
+    grad_inputs: tuple = (), batch_offset: int = 0, dropout_p: float = 0.0, dropout_seed: int = 0,
+    dropout_offset: int = 0,
 ):
     """The float64 gradients of attention() for the loss sum(out * dout) + sum(lse * dlse):
     (dq, dk, dv, parts), dq like q and dk, dv like k, all float64.
@@ -137,7 +177,12 @@ def attention_grads(
     (exp(sink - lse); None without a sink); "out" (B, Hkv, ratio, Sq, D); "jacobian"[name]: d
     sinks / d inputs[name], (B, Hkv, ratio, Sq, *shape); and "scale", "ratio". The dense pieces
     agree with the autograd gradients (tests/test_tolerance_grads.py): dv = P^T dout, dk = dS^T q,
-    dq = dS k summed over each GQA group."""
+    dq = dS k summed over each GQA group. With dropout (`dropout_p`, `dropout_seed`,
+    `dropout_offset` as attention's), "W" holds the weights on P (0 dropped, 1 / (1 - p) kept;
+    None without), "keep_scale" that 1 / (1 - p) (1.0 without), "dP" is W * (dout . v) and
+    dv = (P W)^T dout; P, lse and dS are as above."""
+    from attngen import dropout
+
     f64 = torch.float64
     ratio = _check_inputs(q, k, v, gqa_ratio, f64)
     B, Sq, Hq, D = q.shape
@@ -162,7 +207,8 @@ def attention_grads(
     with torch.enable_grad():
         out, lse = attention(q64, k64, v64, mask=mask, softmax_scale=scale, gqa_ratio=ratio, return_lse=True,
                              compute_dtype=f64, score_mod=score_mod, inputs=inputs64, sink=sink,
-                             batch_offset=batch_offset)
+                             batch_offset=batch_offset, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                             dropout_offset=dropout_offset)
         loss = (out * dout64).sum()
         if dlse64 is not None:  # a row with lse -inf depends on nothing: gradient 0, not NaN
             loss = loss + (torch.where(lse == -math.inf, 0.0, lse.to(f64)) * dlse64).sum()
@@ -172,11 +218,14 @@ def attention_grads(
 
     with torch.no_grad():
         plain = {name: t.detach() if isinstance(t, torch.Tensor) else t for name, t in inputs64.items()}
+        drop = _dropout_weights(dropout_p, dropout_seed, dropout_offset, q, k, ratio, batch_offset, f64)
         dense = _grouped(q64.detach(), k64.detach(), v64.detach(), lowering, modifier, sink, scale, ratio, plain,
-                         batch_offset, f64)
+                         batch_offset, f64, drop)
         P, og, vg = dense.probs, dense.out, dense.vg
         dog = dout64.permute(0, 2, 1, 3).reshape(B, Hkv, ratio, Sq, D)
         dP = torch.einsum("bgrqd,bgkd->bgrqk", dog, vg)
+        if drop is not None:
+            dP = dP * drop
         delta = (dog * og).sum(-1)
         if dlse64 is not None:
             delta = delta - dlse64.reshape(B, Hkv, ratio, Sq)
@@ -193,7 +242,8 @@ def attention_grads(
     parts = {
         "scale": scale, "ratio": ratio, "S": dense.raw, "Z": dense.scores, "visible": dense.visible, "P": P,
         "dP": dP, "g1": g1, "g2": g2, "dS": dS, "lse": dense.lse, "D": delta, "sinks": dense.sinks,
-        "psink": psink, "out": og, "jacobian": jacobian, "dinputs": dict(zip(leaves, grads[3:])),
+        "psink": psink, "out": og, "jacobian": jacobian, "dinputs": dict(zip(leaves, grads[3:])), "W": drop,
+        "keep_scale": dropout.keep_scale(dropout_p),
     }
     return grads[0], grads[1], grads[2], parts
 
@@ -305,6 +355,16 @@ def _check_ratio(hq: int, hkv: int, gqa_ratio) -> int:
             f"gqa_ratio={gqa_ratio!r} does not match q heads {hq} / k heads {hkv}; allowed: {hq // hkv} or None"
         )
     return gqa_ratio
+
+
+def _check_dropout(dropout_p) -> float:
+    """dropout_p, when the kernels can realise it (attngen/dropout.py); ValueError naming it otherwise."""
+    from attngen import dropout
+
+    reason = dropout.problem(dropout_p)
+    if reason is not None:
+        raise ValueError(reason)
+    return dropout_p
 
 
 def _check_scale(softmax_scale, head_dim: int) -> float:

@@ -33,7 +33,7 @@ HEAD_DIMS = (64, 96, 128, 256)
 MAX_GQA_RATIO = 1024
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
-PROBLEM_FIELDS = ("head_dim", "dtype", "gqa_ratio", "mask", "softmax_scale", "score_mod", "sink")
+PROBLEM_FIELDS = ("head_dim", "dtype", "gqa_ratio", "mask", "softmax_scale", "score_mod", "sink", "dropout_p")
 # Tile fields of attngen 0.1, now config fields of the fwd_sm80 family: named in a clear error.
 LEGACY_TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
@@ -56,6 +56,12 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_set(name: str, value) -> bool:
+    """Whether a spec or problem field counts as given (keys, names, manifests): not None, and for
+    dropout_p not 0, so a problem without dropout keeps the identity it had before the field existed."""
+    return value is not None and not (name == "dropout_p" and value == 0)
+
+
 def _type_hint(value, want: str) -> str:
     """' (a str, must be an integer)' for a value of the wrong type: the usual YAML slip ("128")."""
     return f" (a {type(value).__name__}, must be {want})"
@@ -72,6 +78,7 @@ class Problem:
     softmax_scale: float | None = None
     score_mod: str | None = None  # None: scores as they are
     sink: str | None = None  # an attention-sink logit per row; None: no sink
+    dropout_p: float = 0.0  # dropout of the attention probabilities (attngen/dropout.py); 0: none
 
     @property
     def scale(self) -> float:
@@ -96,11 +103,15 @@ class Problem:
         if self.softmax_scale is not None:
             # float32 bits keep the name exact and a valid C identifier.
             parts.append("scale" + struct.pack(">f", self.softmax_scale).hex())
+        if self.dropout_p:
+            from attngen.dropout import slug
+
+            parts.append(slug(self.dropout_p))
         return "_".join(parts)
 
     def key(self) -> str:
         """Canonical JSON of the problem's fields (what a tuned configuration is for)."""
-        return json.dumps({f: getattr(self, f) for f in PROBLEM_FIELDS if getattr(self, f) is not None},
+        return json.dumps({f: getattr(self, f) for f in PROBLEM_FIELDS if is_set(f, getattr(self, f))},
                           sort_keys=True, separators=(",", ":"))
 
 
@@ -146,6 +157,7 @@ class AttentionSpec:
     arch: str | None = None  # stored as the exact compile target, e.g. "sm_90a"
     score_mod: str | None = None  # an expression over score (docs/masks.md); None: scores as they are
     sink: str | None = None  # an attention-sink logit expression, e.g. "sinks[h]"; None: no sink
+    dropout_p: float = 0.0  # dropout of the attention probabilities, 0 <= p < 1 (attngen/dropout.py); 0: none
     # Where the spec came from (a file path), used only to make errors name it.
     source: str | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -210,6 +222,13 @@ class AttentionSpec:
                                       f"[{FLOAT32_MIN_NORMAL:.4g}, {FLOAT32_MAX:.4g}], or unset for 1/sqrt(head_dim)")
             else:
                 object.__setattr__(self, "softmax_scale", float(self.softmax_scale))
+        from attngen import dropout
+
+        reason = dropout.problem(self.dropout_p)
+        if reason is not None:
+            fail("dropout_p", reason)
+        else:
+            object.__setattr__(self, "dropout_p", float(self.dropout_p))
         target = None
         if self.arch is not None:
             from attngen import targets
@@ -255,7 +274,7 @@ class AttentionSpec:
     @property
     def problem(self) -> Problem:
         return Problem(self.head_dim, self.dtype, self.gqa_ratio, self.mask, self.softmax_scale, self.score_mod,
-                       self.sink)
+                       self.sink, self.dropout_p)
 
     @property
     def effective_scale(self) -> float:
@@ -294,7 +313,7 @@ class AttentionSpec:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
         if out["config"] is not None:
             out["config"] = dict(out["config"])
-        return {k: v for k, v in out.items() if v is not None}
+        return {k: v for k, v in out.items() if is_set(k, v)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str | None = None) -> "AttentionSpec":

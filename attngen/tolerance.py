@@ -13,6 +13,9 @@ Derivation (u = unit roundoff of the dtype: bf16 2^-8, fp16 2^-11; u32 = 2^-24, 
 - row sums and O accumulate in fp32 and exp2/log2 are approximate to ~2^-22: negligible.
 So |out - ref| <= u * (|ref| + max|v|) + (e^(2 ds) - 1) * max|v|; we allow SAFETY = 2 times
 u and 2 times ds: 2u * (|ref| + max|v|) + (e^(4 ds) - 1) * max|v|.
+Dropout (attngen/dropout.py) weights each p_j by z_j s, z_j in {0, 1} and s = 1 / (1 - p): a
+dropped p_j is exactly 0 and the kernels multiply the row's result by s once (fp32), so both
+terms in max|v| hold with s * max|v| (sum_j p_j z_j s |v_j| / l <= s max|v|).
 LSE is fp32 throughout: its error is the score error (bounded here by the cruder
 eps32 * scale * D * max|q| * max|k| >= 2 ds, which also covers the fp32 row sum over long
 rows) plus the rounding of the log and of the result, eps32 * (|lse| + 1); we allow 4x.
@@ -59,6 +62,11 @@ of dK, dV and of dQ; an fp32 sum of N terms errs by at most N eps32 times their 
    4 eps32 (ps |D| + E_i), eta_L = e^(e_L + 2 eps32 (|sink| + |L|) + 2^-21) - 1; summed into x
    through the sink's Jacobian J (fp32, N rows): |dx' - dx| <= |J|^T E + N eps32 |J|^T (ps |D| + E)
    + eps32 |dx|.
+9. Dropout (W = Z s from reference.attention_grads, Z in {0, 1}, s = 1 / (1 - p)): the kernels round
+   P' Z (a dropped element is exactly 0) for dV and multiply dV by fl32(s) at the end, so 2. holds
+   with P W for P (and tau W for tau) plus 2 eps32 (|dV| + pre) for s's rounding and the product;
+   dP' = fl32(fl32(dO.v) fl32(s)) Z, so 4. becomes W ddP + 2 eps32 |dP| with dP = W dO.v, the dP of
+   6. D is of the dropped O the kernels read, unchanged.
 As for the forward we allow SAFETY = 2 times u, eps32, tau and every exponent error e. Nothing
 is fitted to a kernel: a bound is a sum of magnitudes (worst case, signs ignored), so it is loose
 by the ratio of sum |terms| to |sum| where gradients cancel, and tight (ratio ~1) nowhere else.
@@ -105,23 +113,24 @@ def score_error(q, k, scale: float):
     return U32 * scale * magnitude.amax(-1)
 
 
-def check_output(out, ref, q, k, v, dtype: str, scale: float):
-    """Return None when out matches ref within the bound, else the worst Mismatch (torch tensors)."""
+def check_output(out, ref, q, k, v, dtype: str, scale: float, keep_scale: float = 1.0):
+    """Return None when out matches ref within the bound, else the worst Mismatch (torch tensors);
+    keep_scale: dropout's 1 / (1 - p) (reference of the same mask)."""
     import torch
 
     out64, ref64 = out.double(), ref.double()
     if not torch.isfinite(out64).all():
         idx = tuple(int(i) for i in (~torch.isfinite(out64)).nonzero()[0])
         return Mismatch("output has NaN/Inf", float("nan"), 0.0, idx)
-    return _worst("output", (out64 - ref64).abs(), output_bound(ref64, q, k, v, dtype, scale))
+    return _worst("output", (out64 - ref64).abs(), output_bound(ref64, q, k, v, dtype, scale, keep_scale))
 
 
-def output_bound(ref, q, k, v, dtype: str, scale: float):
-    """The allowed |out - ref| per element (module docstring)."""
+def output_bound(ref, q, k, v, dtype: str, scale: float, keep_scale: float = 1.0):
+    """The allowed |out - ref| per element (module docstring); keep_scale: dropout's 1 / (1 - p)."""
     import torch
 
     u = UNIT_ROUNDOFF[dtype]
-    vmax = v.double().abs().max().item() if v.numel() else 0.0
+    vmax = v.double().abs().max().item() * keep_scale if v.numel() else 0.0
     score_term = torch.expm1(2 * SAFETY * score_error(q, k, scale)) * vmax
     return SAFETY * u * (ref.double().abs() + vmax) + score_term[..., None]
 
@@ -214,19 +223,25 @@ def grad_bounds(ref_grads, q, k, v, out, dout, dtype: str, scale: float, *, lse=
     e = g1a * ds + e_lse[..., None] + 2 * EPS32 * (Z_abs + L_abs[..., None]) + EXP2_ERROR
     eta = torch.expm1(SAFETY * e) * vis
 
-    # 2. dV.
-    P_eta = eta * P
-    mag = torch.einsum("bgrqk,bgrqd->bgkd", P + P_eta, doa)
+    # 2. dV (9.: the dropout weights W on P).
+    W = parts.get("W")
+    PW, vis_w = (P, vis) if W is None else (P * W, vis * W)
+    P_eta = eta * PW
+    mag = torch.einsum("bgrqk,bgrqd->bgkd", PW + P_eta, doa)
     pre = torch.einsum("bgrqk,bgrqd->bgkd", P_eta, doa) + (u + n_q * e32) * mag \
-        + tiny * torch.einsum("bgrqk,bgrqd->bgkd", vis, doa)
+        + tiny * torch.einsum("bgrqk,bgrqd->bgkd", vis_w, doa)
     key_seen = visible.flatten(2, 3).any(2).double()[..., None]  # (B, Hkv, Sk, 1)
     dv_bound = pre + u * (_keys(dv_ref).abs() + pre) + tiny * key_seen
+    if W is not None:
+        dv_bound = dv_bound + 2 * e32 * (_keys(dv_ref).abs() + pre)
 
     # 3. D, from the O the kernel read; 4. dP; 5. g1.
     o_err = (_rows(dout, ratio) * (out_k - parts["out"])).sum(-1).abs()
     dlse_abs = 0.0 if dlse is None else _lse_rows(dlse, ratio).abs()
     dD = o_err + (d + 1) * e32 * ((doa * out_k.abs()).sum(-1) + dlse_abs)
     ddP = d * e32 * torch.einsum("bgrqd,bgkd->bgrqk", doa, va)
+    if W is not None:
+        ddP = W * ddP + 2 * e32 * parts["dP"].abs()
     if g1 is None:
         dg = torch.zeros_like(P)
     else:
@@ -284,7 +299,7 @@ def check_grads(grads, ref_grads, q, k, v, out, dout, dtype: str, scale: float, 
     ratio = parts["ratio"]
     B, Hkv, _, Sq, _ = parts["out"].shape
     out_ref = _unrows(parts["out"])
-    bad = check_output(out, out_ref, q, k, v, dtype, scale)
+    bad = check_output(out, out_ref, q, k, v, dtype, scale, parts.get("keep_scale", 1.0))
     if bad is not None:
         return Mismatch(f"the forward output the backward read ({bad.what})", bad.worst, bad.allowed, bad.index)
     if lse is not None:

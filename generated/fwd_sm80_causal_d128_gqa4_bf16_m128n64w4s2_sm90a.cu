@@ -279,7 +279,8 @@ __device__ __forceinline__ float finish_row(float max2, float sum, int q, int Sq
 // Needs, from the rendered template: struct FwdParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N, SUB_N, NUM_WARPS,
 // NUM_STAGES, GQA_RATIO, Q_IN_REGS, ROW_SUMS_IN_SMEM, IS_BF16, elem_t }, namespace mask { Bounds,
 // bounds, visible } (attngen/cuda/mask.cuh.j2; attngen/masks.py says what they mean) and namespace
-// score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2).
+// score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2); with ATTNGEN_DROPOUT, namespace
+// dropout (attngen/cuda/philox.cuh) and p.rng.
 
 namespace fa {
 
@@ -377,6 +378,9 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     // What takes a score to the log2 domain: softmax_scale * log2(e), or log2(e) once modified.
     const float score_log2 = score::MODIFIED ? 1.4426950408889634f : p.scale_log2;
 
+#ifdef ATTNGEN_DROPOUT
+    const dropout::Rng rng = dropout::load(p.rng);
+#endif
     const elem_t* q_base = p.q + batch * p.q_sb + head * p.q_sh;
     const elem_t* k_base = p.k + batch * p.k_sb + kv_head * p.k_sh;
     const elem_t* v_base = p.v + batch * p.v_sb + kv_head * p.v_sh;
@@ -589,6 +593,11 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                 }
             }
 
+#ifdef ATTNGEN_DROPOUT
+            // Dropout after the row sums (the LSE is of the undropped P): dropped elements of P become 0.
+            dropout::drop_p<MT, NT, BLOCK_N % 32 == 0 && SUB_N % 32 == 0>(p_frag, rng, batch, head, m0 + warp * WARP_ROWS,
+                                                                          n0);
+#endif
             // O += P V once V has landed (waited for once per loaded block).
             if (sub == 0) {
                 cp_async_wait<2 * (NUM_STAGES - 1)>();
@@ -623,7 +632,10 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             const int r = mt * 16 + g + 8 * h;
             const int q = m0 + warp * WARP_ROWS + r;
             float lse;  // a row with no visible key: output 0, LSE -inf (or the sink)
-            const float inv = score::finish_row(row_max[mt][h], quad_sum(row_sum(mt, h)), q, Sq, Sk, batch, head, p, lse);
+            float inv = score::finish_row(row_max[mt][h], quad_sum(row_sum(mt, h)), q, Sq, Sk, batch, head, p, lse);
+#ifdef ATTNGEN_DROPOUT
+            inv *= dropout::SCALE;  // kept probabilities are scaled by 1 / (1 - p)
+#endif
             if (t == 0 && q < Sq) lse_base[q] = lse;
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {

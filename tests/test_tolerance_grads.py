@@ -6,7 +6,9 @@ rounded to the dtype before P.V and O rounded to the dtype, its LSE in fp32; the
 recomputing P from fp32 scores and that LSE, dV = P^T dO with P rounded to the dtype,
 D = rowsum(dO * O) - dLSE from the rounded O, dS = P (dP - D) g1 scale rounded to the dtype, dK =
 dS^T Q and dQ = dS K, every product summed in fp32, the results rounded to the dtype; a sink's
-gradient -exp(sink - LSE) D summed in fp32. Each deliberate mistake below is one a kernel could
+gradient -exp(sink - LSE) D summed in fp32; with dropout, the dropped elements of the rounded P zeroed
+for P.V and dV, which are scaled by 1 / (1 - p) in fp32, and dP zeroed and scaled likewise. Each
+deliberate mistake below is one a kernel could
 make (a missing factor, a dropped term, a mask off by one, a GQA group not summed); the bounds
 must catch every one of them on problems where it matters, and pass the model everywhere.
 """
@@ -18,7 +20,7 @@ import math
 import pytest
 import torch
 
-from attngen import reference, tolerance
+from attngen import dropout, reference, tolerance
 from attngen.masks import get_mask
 from attngen.score_mods import get_score_mod
 
@@ -37,7 +39,7 @@ def _doc_ids(B, S, seed):
 
 
 def problem(dtype, *, B=2, Sq=33, Sk=40, Hq=4, Hkv=2, D=64, mask="causal", score_mod=None, sink=False, dlse=False,
-            logit_scale=1.0, seed=0):
+            logit_scale=1.0, seed=0, dropout_p=0.0):
     """A small random problem: q, k, v, dout in the dtype and the call's keyword arguments."""
     g = torch.Generator().manual_seed(seed)
     q = (torch.randn(B, Sq, Hq, D, generator=g) * logit_scale).to(DTYPES[dtype])
@@ -51,6 +53,8 @@ def problem(dtype, *, B=2, Sq=33, Sk=40, Hq=4, Hkv=2, D=64, mask="causal", score
         inputs["sinks"] = torch.randn(Hq, generator=g) * 2
     kw = dict(mask=mask, score_mod=score_mod, sink="sinks[h]" if sink else None, inputs=inputs or None,
               softmax_scale=D**-0.5)
+    if dropout_p:
+        kw.update(dropout_p=dropout_p, dropout_seed=1000 + seed)
     return q, k, v, dout, (torch.randn(B, Hq, Sq, generator=g) if dlse else None), kw
 
 
@@ -88,6 +92,12 @@ def model(q, k, v, dout, dlse, kw, wrong=None):
     if kw["sink"] is not None:
         sinks = torch.broadcast_to(inputs["sinks"].float().reshape(1, Hkv, ratio, 1), (B, Hkv, ratio, Sq))
 
+    # dropout: the kept elements of the rounded P, the result scaled by 1 / (1 - p) in fp32
+    keep, keep_scale = torch.ones(()), torch.ones(())
+    if kw.get("dropout_p"):
+        keep = reference.dropout_mask(kw["dropout_p"], kw["dropout_seed"], 0, B, Hq, Sq, Sk).reshape(S.shape).float()
+        keep_scale = torch.tensor(dropout.keep_scale(kw["dropout_p"]), dtype=torch.float32)
+
     # forward: online softmax's result, P rounded to the dtype before P.V, O rounded
     m = Z.amax(-1)
     if sinks is not None:
@@ -95,7 +105,8 @@ def model(q, k, v, dout, dlse, kw, wrong=None):
     m0 = torch.where(m == -math.inf, 0.0, m)
     p = torch.exp(Z - m0[..., None])
     l = p.sum(-1) + (0.0 if sinks is None else torch.exp(sinks - m0))
-    o = torch.einsum("bgrqk,bgkd->bgrqd", p.to(dt).float(), vg) / torch.where(l > 0, l, 1.0)[..., None]
+    o = torch.einsum("bgrqk,bgkd->bgrqd", p.to(dt).float() * keep, vg) / torch.where(l > 0, l, 1.0)[..., None]
+    o = o * keep_scale
     out = o.to(dt)
     lse = torch.where(l > 0, m0 + torch.log(l), -math.inf)
 
@@ -110,6 +121,10 @@ def model(q, k, v, dout, dlse, kw, wrong=None):
         P = torch.exp(Z_all.masked_fill(~(visible | shifted), -math.inf) - lse0[..., None])
     outg = out.float()
     dP = torch.einsum("bgrqd,bgkd->bgrqk", dog, vg)
+    if wrong == "dropout_other_mask":  # the backward regenerating another call's mask
+        keep = reference.dropout_mask(kw["dropout_p"], kw["dropout_seed"], 1, B, Hq, Sq, Sk).reshape(S.shape).float()
+    if wrong != "dropout_dp_unmasked":
+        dP = dP * keep_scale * keep
     delta = (dog * outg).sum(-1)
     if dlse is not None and wrong != "no_dlse":
         delta = delta - dlse.float().reshape(B, Hkv, ratio, Sq)
@@ -126,7 +141,9 @@ def model(q, k, v, dout, dlse, kw, wrong=None):
     if wrong == "dk_unmasked":
         dS_k = (torch.exp(Z_all - lse0[..., None]) * (dP - delta[..., None]) * g1 * scale).to(dt).float()
     rows = slice(None) if wrong != "no_gqa_sum" else slice(0, 1)
-    dv = torch.einsum("bgrqk,bgrqd->bgkd", P_dt[:, :, rows], dog[:, :, rows])
+    dv = torch.einsum("bgrqk,bgrqd->bgkd", (P_dt * keep)[:, :, rows], dog[:, :, rows])
+    if wrong != "dropout_dv_unscaled":
+        dv = dv * keep_scale
     dk = torch.einsum("bgrqk,bgrqd->bgkd", dS_k[:, :, rows], qg[:, :, rows])
     dS_q = dS
     if wrong == "dq_drops_a_block":
@@ -279,6 +296,10 @@ CASES = [
     dict(mask="causal", logit_scale=10.0),  # scores ~1e2
     dict(mask="none", logit_scale=100.0, Sq=20, Sk=20),  # scores ~1e4: one key per row
     dict(mask="causal", logit_scale=100.0, sink=True, dlse=True, Sq=24, Sk=24, Hkv=1),
+    dict(mask="causal", dropout_p=0.1),
+    dict(mask="none", dropout_p=0.5, Sq=40, Sk=70, D=128),
+    dict(mask=DOC_MASK, Sq=48, Sk=48, Hkv=1, dropout_p=0.25, sink=True, dlse=True),
+    dict(mask="causal", score_mod="softcap(3.0)", logit_scale=2.0, dropout_p=0.9),
 ]
 
 
@@ -306,6 +327,9 @@ MISTAKES = [
     ("dq_drops_a_block", dict(mask="none", Sq=20, Sk=40)),
     ("lse_off_by_2^-5", dict(mask="causal")),
     ("ds_in_e4m3", dict(mask="none", D=128)),
+    ("dropout_dp_unmasked", dict(mask="causal", dropout_p=0.1)),
+    ("dropout_dv_unscaled", dict(mask="causal", dropout_p=0.1)),
+    ("dropout_other_mask", dict(mask="none", dropout_p=0.1)),
 ]
 
 

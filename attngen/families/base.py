@@ -139,8 +139,20 @@ class ForwardPlan(Plan):
     @property
     def problem_summary(self) -> str:
         """The problem's fields that are set, for the generated source's header comment."""
+        from attngen.spec import is_set
+
         return ", ".join(f"{f.name}={getattr(self.problem, f.name)}" for f in dataclasses.fields(self.problem)
-                         if getattr(self.problem, f.name) is not None)
+                         if is_set(f.name, getattr(self.problem, f.name)))
+
+    @property
+    def dropout(self) -> dict | None:
+        """What the templates compile in for dropout (attngen/dropout.py): the keep threshold of the
+        8-bit draws and the scale of kept probabilities; None without dropout."""
+        from attngen import dropout
+
+        p = self.problem.dropout_p
+        return {"threshold": dropout.threshold(p), "scale": dropout.keep_scale(p), "realised": dropout.realised(p)} \
+            if p else None
 
 
 def problem_programs(problem: Problem) -> list[tuple[str, Any]]:
@@ -175,6 +187,7 @@ class ForwardCall:
     softmax_scale: float
     workspace: int = 0  # device address of workspace_bytes() of scratch, when asked for
     inputs: tuple = ()  # ((name, TensorInfo), ...) sorted: the runtime inputs the expressions read
+    rng: "TensorInfo | None" = None  # [seed, offset] int64 when the problem has dropout (attngen/dropout.py)
 
     def input(self, name: str) -> "TensorInfo":
         for key, info in self.inputs:
@@ -282,6 +295,7 @@ class BackwardCall:
     softmax_scale: float
     workspace: int = 0  # device address of workspace_bytes() of scratch, when asked for
     inputs: tuple = ()  # ((name, TensorInfo), ...) sorted: the runtime inputs the expressions read
+    rng: "TensorInfo | None" = None  # the forward call's [seed, offset] when the problem has dropout
 
     input = ForwardCall.input
     batch = ForwardCall.batch

@@ -149,6 +149,10 @@ def _spec_pool(paths, random_specs: bool, random_spec_count: int, seed: int, tar
 
     given = [load_spec(path) for path in paths]
     for spec in given:
+        if spec.dropout_p:
+            raise SpecError(f"{spec.source}: dropout_p={spec.dropout_p}: the fuzzer compares kernels with the "
+                            "reference without dropout; allowed: dropout_p 0 (tests/test_gpu_dropout.py tests dropout)",
+                            field="dropout_p")
         # A family that cannot run here, or a config this GPU cannot hold, is an error naming the
         # file, not a failing case.
         plan_spec(spec, target)

@@ -17,7 +17,7 @@ import threading
 from attngen import families, targets
 from attngen.families.base import BackwardCall, problem_inputs, problem_programs
 from attngen.runtime import checks
-from attngen.runtime.dispatch import describe_inputs, kernel_for
+from attngen.runtime.dispatch import describe_inputs, describe_rng, kernel_for
 from attngen.runtime.tensors import TensorInfo, current_stream, describe, new_like
 from attngen.spec import AttentionSpec
 
@@ -74,9 +74,11 @@ def check_backward_inputs(problem, q: TensorInfo, k: TensorInfo, v: TensorInfo, 
 
 def backward_call(problem, q: TensorInfo, k: TensorInfo, v: TensorInfo, out: TensorInfo, lse: TensorInfo,
                   dout: TensorInfo, dlse: TensorInfo | None, dq: TensorInfo, dk: TensorInfo, dv: TensorInfo,
-                  softmax_scale, inputs: dict | None = None) -> BackwardCall:
+                  softmax_scale, inputs: dict | None = None, rng: TensorInfo | None = None) -> BackwardCall:
     """A checked BackwardCall (inputs checked with check_backward_inputs first): the gradients'
-    buffers dq like q and dk, dv like k, the scale resolved, the runtime inputs checked over the call."""
+    buffers dq like q and dk, dv like k, the scale resolved, the runtime inputs checked over the call,
+    with dropout the forward's [seed, offset] tensor `rng` (attngen/dropout.py)."""
+    from attngen.dropout import check_rng
     from attngen.runtime_inputs import check
 
     _check_like(dq, q)
@@ -88,8 +90,9 @@ def backward_call(problem, q: TensorInfo, k: TensorInfo, v: TensorInfo, out: Ten
     if declared or inputs:
         programs = [program for _, program in problem_programs(problem)]
         check(programs, declared, inputs, B, Hq, Sq, k.shape[1], q.device)
+    check_rng(rng, q, problem.dropout_p)
     return BackwardCall(q, k, v, out, lse, dout, dlse, dq, dk, dv, checks.check_scale(softmax_scale, problem),
-                        inputs=tuple(sorted(inputs.items())))
+                        inputs=tuple(sorted(inputs.items())), rng=rng)
 
 
 def backward_plan(spec: AttentionSpec, target):
@@ -139,7 +142,7 @@ def _zero(x) -> None:
         x.fill(0)
 
 
-def _checked(dout, q, k, v, out, lse, spec, softmax_scale, inputs, dlse, dq, dk, dv):
+def _checked(dout, q, k, v, out, lse, spec, softmax_scale, inputs, dlse, dq, dk, dv, rng=None):
     """The kernel (None for an empty call) and the checked call; dq, dk, dv described as given, or
     as new_like would make them when None."""
     if not isinstance(spec, AttentionSpec):
@@ -150,17 +153,19 @@ def _checked(dout, q, k, v, out, lse, spec, softmax_scale, inputs, dlse, dq, dk,
     check_backward_inputs(spec.problem, qi, ki, vi, oi, li, di, dli)
     grads = [describe(t, name) if t is not None else contiguous_info(name, ref.shape, ref.dtype, ref)
              for t, name, ref in ((dq, "dq", qi), (dk, "dk", ki), (dv, "dv", ki))]
-    call = backward_call(spec.problem, qi, ki, vi, oi, li, di, dli, *grads, softmax_scale, describe_inputs(inputs))
+    call = backward_call(spec.problem, qi, ki, vi, oi, li, di, dli, *grads, softmax_scale, describe_inputs(inputs),
+                         describe_rng(rng))
     return (None if _is_empty(call) else _kernel(spec, qi.device)), call
 
 
 def backward(dout, q, k, v, out, lse, spec: AttentionSpec, *, softmax_scale=None, inputs=None, dlse=None, dq=None,
-             dk=None, dv=None):
+             dk=None, dv=None, rng=None):
     """(dq, dk, dv) of a forward call (its q, k, v, out, lse) from the gradients of its outputs (dout,
     and dlse when the loss reads the LSE), on torch CUDA tensors or CuPy arrays, launched on the
-    caller's current stream. dq, dk, dv may be given (tests poison them first); new otherwise.
+    caller's current stream. dq, dk, dv may be given (tests poison them first); new otherwise. With
+    dropout, `rng` is the forward call's [seed, offset] tensor, holding the same values.
     Every check, every call (backward_torch skips them for a layout seen before)."""
-    kernel, call = _checked(dout, q, k, v, out, lse, spec, softmax_scale, inputs, dlse, dq, dk, dv)
+    kernel, call = _checked(dout, q, k, v, out, lse, spec, softmax_scale, inputs, dlse, dq, dk, dv, rng)
     dq = new_like(q, call.dq.shape) if dq is None else dq
     dk = new_like(q, call.dk.shape) if dk is None else dk
     dv = new_like(q, call.dv.shape) if dv is None else dv
@@ -186,7 +191,7 @@ class PreparedBackward:
         self.workspace_bytes = 0 if kernel is None else kernel.workspace_bytes(call)
         self._bound: dict[tuple, tuple] = {}
 
-    def run_torch(self, torch, dout, q, k, v, out, lse, dlse, inputs: tuple, stream: int):
+    def run_torch(self, torch, dout, q, k, v, out, lse, dlse, inputs: tuple, stream: int, rng=None):
         t = self.template
         if self.kernel is None:
             return (torch.zeros(t.dq.shape, dtype=q.dtype, device=q.device),
@@ -200,7 +205,7 @@ class PreparedBackward:
             if self.workspace_bytes else None
         tensors = (dout, q, k, v, out, lse, dlse, dq, dk, dv)
         ptrs = (*(0 if x is None else x.data_ptr() for x in tensors), 0 if workspace is None else workspace.data_ptr(),
-                *(x.data_ptr() for x in inputs))
+                *(x.data_ptr() for x in inputs), *(() if rng is None else (rng.data_ptr(),)))
         bound = self._bound.get(ptrs)
         if bound is None:
             if len(self._bound) >= MAX_BOUND:
@@ -210,7 +215,8 @@ class PreparedBackward:
         return dq, dk, dv
 
     def _at(self, ptrs: tuple) -> BackwardCall:
-        """The template call at these addresses (FIELDS, the workspace, then the runtime inputs by name)."""
+        """The template call at these addresses (FIELDS, the workspace, then the runtime inputs by name,
+        then with dropout the rng tensor)."""
         t = self.template
 
         def at(info, ptr):
@@ -219,7 +225,8 @@ class PreparedBackward:
         n = len(self.FIELDS)
         moved = {name: at(getattr(t, name), ptr) for name, ptr in zip(self.FIELDS, ptrs)}
         inputs = tuple((name, at(info, ptr)) for (name, info), ptr in zip(t.inputs, ptrs[n + 1:]))
-        return dataclasses.replace(t, **moved, workspace=ptrs[n], inputs=inputs)
+        rng = None if t.rng is None else at(t.rng, ptrs[n + 1 + len(t.inputs)])
+        return dataclasses.replace(t, **moved, workspace=ptrs[n], inputs=inputs, rng=rng)
 
 
 _prepared: dict[tuple, PreparedBackward] = {}
@@ -230,22 +237,24 @@ def _torch_layout(t) -> tuple:
 
 
 def backward_torch(torch, dout, q, k, v, out, lse, dlse, spec: AttentionSpec, softmax_scale, names: list,
-                   tensors: list):
+                   tensors: list, rng=None):
     """backward() for plain torch tensors, through a PreparedBackward per layout (16-byte aligned
     pointers: those are all the skipped checks depend on besides the layout)."""
     from attngen.runtime.tensors import torch_stream
 
-    key = (spec, softmax_scale, *(_torch_layout(t) for t in (dout, q, k, v, out, lse, dlse)),
+    key = (spec, softmax_scale, *(_torch_layout(t) for t in (dout, q, k, v, out, lse, dlse, rng)),
            tuple((name, *_torch_layout(t)) for name, t in zip(names, tensors)))
     prepared = _prepared.get(key)
-    if prepared is None or any(t.data_ptr() % 16 for t in (dout, q, k, v, out)):
+    if prepared is None or any(t.data_ptr() % 16 for t in (dout, q, k, v, out)) \
+            or (rng is not None and rng.data_ptr() % 8):
         kernel, call = _checked(dout, q, k, v, out, lse, spec, softmax_scale, dict(zip(names, tensors)) or None,
-                                dlse, None, None, None)
+                                dlse, None, None, None, rng)
         prepared = PreparedBackward(kernel, call)
         if len(_prepared) >= MAX_PREPARED:
             _prepared.clear()
         _prepared[key] = prepared
-    return prepared.run_torch(torch, dout, q, k, v, out, lse, dlse, tuple(tensors), torch_stream(torch, q.get_device()))
+    return prepared.run_torch(torch, dout, q, k, v, out, lse, dlse, tuple(tensors), torch_stream(torch, q.get_device()),
+                              rng)
 
 
 def forget() -> None:

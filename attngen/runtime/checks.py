@@ -80,9 +80,11 @@ def check_output(t: TensorInfo, q: TensorInfo, shape, dtype: str) -> None:
 
 
 def forward_call(problem: Problem, q: TensorInfo, k: TensorInfo, v: TensorInfo, out: TensorInfo, lse: TensorInfo,
-                 softmax_scale, inputs: dict | None = None) -> ForwardCall:
+                 softmax_scale, inputs: dict | None = None, rng: TensorInfo | None = None) -> ForwardCall:
     """A checked ForwardCall (q, k, v checked first with check_inputs); `inputs`: name -> TensorInfo
-    of the runtime inputs the mask and score modifier read (attngen/runtime_inputs.py)."""
+    of the runtime inputs the mask and score modifier read (attngen/runtime_inputs.py); `rng`: the
+    [seed, offset] int64 tensor a problem with dropout reads (attngen/dropout.py), else None."""
+    from attngen.dropout import check_rng
     from attngen.families.base import problem_inputs, problem_programs
     from attngen.runtime_inputs import check
 
@@ -94,5 +96,6 @@ def forward_call(problem: Problem, q: TensorInfo, k: TensorInfo, v: TensorInfo, 
     if declared or inputs:
         programs = [program for _, program in problem_programs(problem)]
         check(programs, declared, inputs, B, Hq, Sq, k.shape[1], q.device)
+    check_rng(rng, q, problem.dropout_p)
     return ForwardCall(q, k, v, out, lse, check_scale(softmax_scale, problem),
-                       inputs=tuple(sorted(inputs.items())))
+                       inputs=tuple(sorted(inputs.items())), rng=rng)

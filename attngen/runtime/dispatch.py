@@ -40,14 +40,15 @@ class Kernel:
     def __repr__(self) -> str:
         return f"Kernel({self.plan.name}, cuda:{self.device})"
 
-    def __call__(self, q, k, v, *, softmax_scale: float | None = None, out=None, lse=None, inputs=None):
-        """Run on q, k, v (and the runtime inputs the mask and score modifier read); `out`/`lse` may
-        be given (tests poison them first). Returns (out, lse)."""
+    def __call__(self, q, k, v, *, softmax_scale: float | None = None, out=None, lse=None, inputs=None, rng=None):
+        """Run on q, k, v (and the runtime inputs the mask and score modifier read; with dropout, `rng`:
+        an int64 tensor [seed, offset], attngen/dropout.py); `out`/`lse` may be given (tests poison
+        them first). Returns (out, lse)."""
         qi, ki, vi = describe(q, "q"), describe(k, "k"), describe(v, "v")
         checks.check_inputs(self.plan.problem, qi, ki, vi)
         if qi.device != self.device:
             raise ValueError(f"q is on cuda:{qi.device} but this kernel is loaded on cuda:{self.device}")
-        out, lse, call = _outputs_and_call(self.plan, q, qi, ki, vi, out, lse, softmax_scale, inputs)
+        out, lse, call = _outputs_and_call(self.plan, q, qi, ki, vi, out, lse, softmax_scale, inputs, rng)
         reason = self.family.accepts(self.plan, call)
         if reason is not None:
             raise ValueError(f"{self.plan.name} cannot run these tensors: {reason}")
@@ -76,15 +77,20 @@ class Kernel:
         self._module.launch_bound(bound, stream)
 
 
-def _outputs_and_call(plan: Plan, ref, qi: TensorInfo, ki, vi, out, lse, softmax_scale, inputs=None):
+def _outputs_and_call(plan: Plan, ref, qi: TensorInfo, ki, vi, out, lse, softmax_scale, inputs=None, rng=None):
     B, Sq, Hq, D = qi.shape
     if out is None:
         out = new_like(ref, (B, Sq, Hq, D))
     if lse is None:
         lse = new_like(ref, (B, Hq, Sq), "float32")
     call = checks.forward_call(plan.problem, qi, ki, vi, describe(out, "out"), describe(lse, "lse"), softmax_scale,
-                               describe_inputs(inputs))
+                               describe_inputs(inputs), describe_rng(rng))
     return out, lse, call
+
+
+def describe_rng(rng) -> TensorInfo | None:
+    """The TensorInfo of a call's dropout state [seed, offset] (None when not given)."""
+    return None if rng is None else describe(rng, "rng")
 
 
 def describe_inputs(inputs) -> dict[str, TensorInfo]:
@@ -203,7 +209,7 @@ def forget() -> None:
     backward.forget()
 
 
-def prepare(q, k, v, spec: AttentionSpec, softmax_scale: float | None = None, inputs=None) -> Prepared:
+def prepare(q, k, v, spec: AttentionSpec, softmax_scale: float | None = None, inputs=None, rng=None) -> Prepared:
     """Check a call's inputs against the kernel contract and resolve its kernel: a Prepared that runs
     every call of the same layout (inputs 16-byte aligned)."""
     from attngen.tune import lookup
@@ -218,33 +224,39 @@ def prepare(q, k, v, spec: AttentionSpec, softmax_scale: float | None = None, in
     # The outputs' layout, as new_like makes them; the pointers are filled in per call.
     out = TensorInfo("out", qi.kind, 0, (B, Sq, Hq, D), (Sq * Hq * D, Hq * D, D, 1), qi.dtype, qi.device)
     lse = TensorInfo("lse", qi.kind, 0, (B, Hq, Sq), (Hq * Sq, Sq, 1), "float32", qi.device)
-    call = checks.forward_call(kernel.plan.problem, qi, ki, vi, out, lse, softmax_scale, describe_inputs(inputs))
+    call = checks.forward_call(kernel.plan.problem, qi, ki, vi, out, lse, softmax_scale, describe_inputs(inputs),
+                               describe_rng(rng))
     reason = kernel.family.accepts(kernel.plan, call)
     if reason is not None:
         kernel = _fallback(spec, kernel, call, reason)
     return Prepared(kernel, call, stamp)
 
 
-def forward(q, k, v, spec: AttentionSpec, *, softmax_scale: float | None = None, out=None, lse=None, inputs=None):
+def forward(q, k, v, spec: AttentionSpec, *, softmax_scale: float | None = None, out=None, lse=None, inputs=None,
+            rng=None):
     """The forward pass on torch CUDA tensors or CuPy arrays: (out, lse), launched on the caller's
-    current stream. Checks every input against the kernel contract first (once per layout)."""
+    current stream. Checks every input against the kernel contract first (once per layout). With
+    dropout (the spec's dropout_p > 0), `rng` is the int64 tensor [seed, offset] (attngen/dropout.py)."""
     if not isinstance(spec, AttentionSpec):
         raise ValueError(f"spec must be an attngen.AttentionSpec, got {type(spec).__name__}")
     qi, ki, vi = describe(q, "q"), describe(k, "k"), describe(v, "v")
     if out is not None or lse is not None:  # outputs given (tests poison them first): every check, every time
         checks.check_inputs(spec.problem, qi, ki, vi)
         kernel = resolve(spec, qi, ki)
-        out, lse, call = _outputs_and_call(kernel.plan, q, qi, ki, vi, out, lse, softmax_scale, inputs)
+        out, lse, call = _outputs_and_call(kernel.plan, q, qi, ki, vi, out, lse, softmax_scale, inputs, rng)
         reason = kernel.family.accepts(kernel.plan, call)
         if reason is not None:
             kernel = _fallback(spec, kernel, call, reason)
         kernel.run(call, current_stream(q, qi.device), q)
         return out, lse
     given = describe_inputs(inputs)
+    ri = describe_rng(rng)
     layout = (spec, softmax_scale, qi.shape, qi.strides, qi.dtype, qi.device, ki.shape, ki.strides, ki.dtype,
               ki.device, vi.shape, vi.strides, vi.dtype, vi.device,
-              tuple((name, t.shape, t.strides, t.dtype, t.device) for name, t in sorted(given.items())))
+              tuple((name, t.shape, t.strides, t.dtype, t.device) for name, t in sorted(given.items())),
+              None if ri is None else (ri.shape, ri.strides, ri.dtype, ri.device))
     prepared = _prepared.get(layout)
-    if prepared is None or not prepared.current() or qi.ptr % 16 or ki.ptr % 16 or vi.ptr % 16:
-        prepared = remember(_prepared, layout, prepare(q, k, v, spec, softmax_scale, inputs))
-    return prepared.run(q, k, v, inputs)
+    if prepared is None or not prepared.current() or qi.ptr % 16 or ki.ptr % 16 or vi.ptr % 16 \
+            or (ri is not None and ri.ptr % 8):
+        prepared = remember(_prepared, layout, prepare(q, k, v, spec, softmax_scale, inputs, rng))
+    return prepared.run(q, k, v, inputs, rng)

@@ -45,24 +45,25 @@ class Prepared:
         return self.stamp == lookup.recent_stamp()
 
     def launches(self, ptrs: tuple[int, ...]) -> tuple:
-        """The packed launches for (q, k, v, out, lse, workspace or 0, then the runtime inputs by name)
-        at these addresses."""
+        """The packed launches for (q, k, v, out, lse, workspace or 0, then the runtime inputs by name,
+        then with dropout the rng tensor) at these addresses."""
         bound = self._bound.get(ptrs)
         if bound is None:
             if len(self._bound) >= MAX_BOUND:
                 self._bound.clear()
             t = self.template
             inputs = tuple((name, dataclasses.replace(info, ptr=ptr)) for (name, info), ptr in zip(t.inputs, ptrs[6:]))
+            rng = None if t.rng is None else dataclasses.replace(t.rng, ptr=ptrs[6 + len(t.inputs)])
             call = dataclasses.replace(
                 t, q=dataclasses.replace(t.q, ptr=ptrs[0]), k=dataclasses.replace(t.k, ptr=ptrs[1]),
                 v=dataclasses.replace(t.v, ptr=ptrs[2]), out=dataclasses.replace(t.out, ptr=ptrs[3]),
-                lse=dataclasses.replace(t.lse, ptr=ptrs[4]), workspace=ptrs[5], inputs=inputs)
+                lse=dataclasses.replace(t.lse, ptr=ptrs[4]), workspace=ptrs[5], inputs=inputs, rng=rng)
             bound = self._bound[ptrs] = self.kernel.bind(call)
         return bound
 
-    def run_torch(self, torch, q, k, v, stream: int, inputs: tuple = ()):
+    def run_torch(self, torch, q, k, v, stream: int, inputs: tuple = (), rng=None):
         """(out, lse) for plain torch tensors of this layout, whose pointers are 16-byte aligned;
-        `inputs`: the runtime input tensors in name order."""
+        `inputs`: the runtime input tensors in name order; `rng`: dropout's [seed, offset] tensor."""
         out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if not self.empty:
@@ -70,19 +71,21 @@ class Prepared:
             workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=q.device) \
                 if self.workspace_bytes else None
             ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                    0 if workspace is None else workspace.data_ptr(), *(t.data_ptr() for t in inputs))
+                    0 if workspace is None else workspace.data_ptr(), *(t.data_ptr() for t in inputs),
+                    *(() if rng is None else (rng.data_ptr(),)))
             self.kernel.launch_bound(self.launches(ptrs), stream)
         return out, lse
 
-    def run(self, q, k, v, inputs=None):
+    def run(self, q, k, v, inputs=None, rng=None):
         """(out, lse) for torch tensors or CuPy arrays of this layout, 16-byte aligned; `inputs`:
-        name -> tensor, the runtime inputs."""
+        name -> tensor, the runtime inputs; `rng`: dropout's [seed, offset] tensor."""
         out, lse = new_like(q, self.out_shape), new_like(q, self.lse_shape, "float32")
         if not self.empty:
             inputs = inputs or {}
             workspace = new_like(q, (self.workspace_bytes,), "uint8") if self.workspace_bytes else None
             ptrs = (describe(q, "q").ptr, describe(k, "k").ptr, describe(v, "v").ptr, describe(out, "out").ptr,
                     describe(lse, "lse").ptr, 0 if workspace is None else describe(workspace, "workspace").ptr,
-                    *(describe(inputs[name], name).ptr for name, _ in self.template.inputs))
+                    *(describe(inputs[name], name).ptr for name, _ in self.template.inputs),
+                    *(() if rng is None else (describe(rng, "rng").ptr,)))
             self.kernel.launch_bound(self.launches(ptrs), current_stream(q, self.device))
         return out, lse

@@ -95,7 +95,7 @@ def run_tune(spec_paths: tuple[Path, ...], seqlens: tuple[int, ...], batch_heads
     from attngen.progress import Progress
     from attngen.tune.db import TuningDB
     from attngen.tune.report import print_result
-    from attngen.tune.search import check_narrowed, check_search_args
+    from attngen.tune.search import check_narrowed, check_no_dropout, check_search_args
 
     db = TuningDB(db_path)
     if not spec_paths and export is None and import_ is None:
@@ -107,6 +107,7 @@ def run_tune(spec_paths: tuple[Path, ...], seqlens: tuple[int, ...], batch_heads
     shapes = [shapes_for(s, seqlens or DEFAULT_SEQLENS, batch_heads) for s in specs]  # errors before timing
     for spec in specs:
         check_narrowed(spec, store_narrowed)
+        check_no_dropout(spec)
     if specs:
         require_gpu()  # before anything is written
     if import_ is not None:

@@ -239,6 +239,14 @@ def check_narrowed(spec: AttentionSpec, store_narrowed: bool) -> None:
                         "space), or --store-narrowed (store_narrowed=True) to store the narrowed winner anyway")
 
 
+def check_no_dropout(spec: AttentionSpec) -> None:
+    """The search verifies winners against the reference without dropout: a spec with dropout is refused."""
+    if spec.dropout_p:
+        raise TuneError(f"{spec.source or spec.to_dict()}: dropout_p={spec.dropout_p}: the tuner verifies its winner "
+                        "against the reference without dropout; allowed: dropout_p 0 (calls with dropout run the "
+                        "family's defaults)")
+
+
 def tune(spec: AttentionSpec, shapes: list[Shape], *, deadline: float | None = None, max_fraction: float = 0.3,
          db: TuningDB | None = None, jobs: int | None = None, progress=None,
          store_narrowed: bool = False) -> list[ShapeResult]:
@@ -265,6 +273,7 @@ def tune(spec: AttentionSpec, shapes: list[Shape], *, deadline: float | None = N
     if not shapes:
         raise ValueError("shapes is empty; allowed: at least one Shape")
     check_narrowed(spec, store_narrowed)
+    check_no_dropout(spec)
     if not torch.cuda.is_available():
         raise TuneError("attngen tune needs a CUDA GPU; torch.cuda.is_available() is False")
     if nvcc.find_nvcc() is None:

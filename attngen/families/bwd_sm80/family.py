@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from attngen import mask_table
+from attngen import dropout, mask_table
 from attngen.codegen import render as codegen
 from attngen.errors import SpecError
 from attngen.families import bwd_shared
@@ -124,12 +124,14 @@ def _accumulator_registers(config: BwdConfig, head_dim: int) -> int:
     return 2 * config.keys_per_warp * head_dim // 32
 
 
-def _sub_m(config: BwdConfig, head_dim: int) -> int:
+def _sub_m(config: BwdConfig, head_dim: int, dropout: bool = False) -> int:
     """Query columns per register step: the widest whose S^T and dP^T (fp32) and P^T and dS^T
-    (packed) fit beside dK and dV: 3 * keys * sub_m / 32 registers per thread, of what
-    REGISTER_BUDGET leaves (at least one k16 step)."""
+    (packed) fit beside dK and dV: 3 * keys * sub_m / 32 registers per thread, plus with dropout
+    two keep words per n8 tile of queries (sub_m / 4), of what REGISTER_BUDGET leaves (at least one
+    k16 step)."""
     room = REGISTER_BUDGET - _accumulator_registers(config, head_dim)
-    fits = [m for m in BLOCK_MS if config.block_m % m == 0 and 3 * config.keys_per_warp * m // 32 <= room]
+    fits = [m for m in BLOCK_MS if config.block_m % m == 0
+            and 3 * config.keys_per_warp * m // 32 + (m // 4 if dropout else 0) <= room]
     return max(fits, default=16)
 
 
@@ -205,12 +207,14 @@ class Sm80Backward(KernelFamily):
         table = mask_table.for_problem(problem)
         abi = mask_table.with_table(with_inputs(ARGUMENTS, problem_inputs(problem), the_call), table, the_call,
                                     config.block_m)
+        if problem.dropout_p:
+            abi = dropout.with_rng(abi, the_call)
         kernels = (KernelPlan(name, threads, smem, abi), *mask_table.kernels(name, table, abi),
                    *bwd_shared.row_kernels(name, abi))
         return BwdPlan(
             family=self.name, name=name, problem=problem, target=target, config=config, kernels=kernels,
             block_m=config.block_m, block_n=config.block_n, fault=fault, num_warps=config.num_warps,
-            num_stages=config.num_stages, sub_m=_sub_m(config, problem.head_dim), threads=threads, smem_bytes=smem,
+            num_stages=config.num_stages, sub_m=_sub_m(config, problem.head_dim, problem.dropout_p > 0), threads=threads, smem_bytes=smem,
             mask=get_mask(problem.mask))
 
     def render(self, plan: BwdPlan) -> str:

@@ -2,8 +2,9 @@
 // Needs, from the rendered template: struct BwdParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N, SUB_M,
 // NUM_WARPS, NUM_STAGES, GQA_RATIO, IS_BF16, elem_t }, namespace mask { Bounds, bounds, visible }
 // (attngen/cuda/mask.cuh.j2), namespace score { MODIFIED, modify, modify_grad }
-// (attngen/cuda/score_mod.cuh.j2) and bwd_rows::add_dq (attngen/cuda/bwd_rows.cuh). attngen/families/bwd_sm80/family.py
-// says what each kernel does.
+// (attngen/cuda/score_mod.cuh.j2) and bwd_rows::add_dq (attngen/cuda/bwd_rows.cuh); with ATTNGEN_DROPOUT,
+// namespace dropout (attngen/cuda/philox.cuh) and p.rng. attngen/families/bwd_sm80/family.py says what each
+// kernel does.
 
 namespace fb {
 
@@ -54,6 +55,30 @@ __device__ __forceinline__ void load_tile(u32 dst, const elem_t* base, i64 row_s
     }
 }
 
+#ifdef ATTNGEN_DROPOUT
+// Which elements of a register step dropout keeps (attngen/cuda/philox.cuh), in S^T's layout: this
+// thread's queries q0 + 8 nt + 2t + e (q0 a multiple of 16, OFF n8 tiles into its 32-query span) and
+// the warp's keys kb + 16 mt + 8 h + g (kb a multiple of 16). keep[nt][e] holds the keep bytes of
+// word (query >> 3) & 3 of the group of query 2t + e; byte n is key tile n of the key span, shifted
+// down so that byte 2 mt + h (WARP_N 32) or h (WARP_N 16) is this thread's key of tile (mt, h).
+template <int OFF>
+__device__ __forceinline__ void step_keep(u32 (&keep)[NT][2], const dropout::Rng& r, int batch, int head, int q0, int kb) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int shift = WARP_N == 32 ? 0 : 8 * ((kb >> 3) & 3);  // 32 keys per warp start a span
+#pragma unroll
+    for (int span = 0; span < (NT + OFF + 3) / 4; ++span) {
+        const int i = q0 - 8 * OFF + 32 * span + 2 * t;
+        const uint4 lo = dropout::group_draws(r, batch, head, i, kb + g), hi = dropout::group_draws(r, batch, head, i + 1, kb + g);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            if ((nt + OFF) / 4 != span) continue;
+            keep[nt][0] = dropout::keep_bytes(dropout::word(lo, (nt + OFF) % 4)) >> shift;
+            keep[nt][1] = dropout::keep_bytes(dropout::word(hi, (nt + OFF) % 4)) >> shift;
+        }
+    }
+}
+#endif
+
 // One query block of one query head, as the CTA walks them: (head in the group, block) flattened.
 struct Item {
     int head, m0;
@@ -74,6 +99,9 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
     const int kv_head = blockIdx.x, n_block = blockIdx.y, batch = blockIdx.z;
     const int Sq = p.Sq, Sk = p.Sk;
     const int n0 = n_block * BLOCK_N, n1 = min(n0 + BLOCK_N, Sk);
+#ifdef ATTNGEN_DROPOUT
+    const dropout::Rng rng = dropout::load(p.rng);
+#endif
     const int m_blocks = (Sq + BLOCK_M - 1) / BLOCK_M;
     const int items = GQA_RATIO * m_blocks;
 
@@ -187,6 +215,15 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
                 }
             }
 
+#ifdef ATTNGEN_DROPOUT
+            u32 keep[NT][2];
+            if constexpr (BLOCK_M % 32 == 0 && SUB_M % 32 == 0) {
+                step_keep<0>(keep, rng, batch, item.head, item.m0 + c0, n0 + warp * WARP_N);
+            } else {
+                if ((item.m0 + c0) & 16) step_keep<2>(keep, rng, batch, item.head, item.m0 + c0, n0 + warp * WARP_N);
+                else step_keep<0>(keep, rng, batch, item.head, item.m0 + c0, n0 + warp * WARP_N);
+            }
+#endif
             // P^T = exp(score - lse) and dS^T = P^T (dP^T - delta) * d score_mod / d score * scale, both
             // rounded and packed as A operands (two n8 accumulator tiles make one k16 step).
             u32 p_frag[MT][PK][4], ds_frag[MT][PK][4];
@@ -216,8 +253,17 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
                         }
                         const bool shown = item.full ? in : in && mask::visible(q, k, Sq, Sk, batch, item.head, p);
                         const float pr = shown ? fast_exp2(x - lse2) : 0.f;
+#ifdef ATTNGEN_DROPOUT
+                        // dV's P and dP carry the mask Z (dV is scaled by 1 / (1 - p) at the end, dP here);
+                        // D is of the dropped O, so dS = P (dP Z / (1 - p) - D) as without dropout.
+                        const bool kept = (keep[nt][i % 2] >> (8 * ((WARP_N == 32 ? 2 * mt : 0) + i / 2))) & 1u;
+                        const float dp = kept ? dp_acc[mt][nt][i] * dropout::SCALE : 0.f;
+                        pv[i] = kept ? pr : 0.f;
+#else
+                        const float dp = dp_acc[mt][nt][i];
                         pv[i] = pr;
-                        dsv[i] = shown ? pr * (dp_acc[mt][nt][i] - delta) * grad * p.scale : 0.f;
+#endif
+                        dsv[i] = shown ? pr * (dp - delta) * grad * p.scale : 0.f;
                     }
                     const int kk = nt / 2, half = nt % 2;
                     p_frag[mt][kk][2 * half] = pack2<IS_BF16>(pv[0], pv[1]);
@@ -314,6 +360,14 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
     // are full 16-byte rows. Keys no query sees get zeros.
     cp_async_wait<0>();
     __syncthreads();  // every warp is done reading K for dQ
+#ifdef ATTNGEN_DROPOUT
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) dv_acc[mt][dt][i] *= dropout::SCALE;  // the kept P's 1 / (1 - p)
+#endif
     elem_t* dk_base = p.dk + batch * p.dk_sb + kv_head * p.dk_sh;
     elem_t* dv_base = p.dv + batch * p.dv_sb + kv_head * p.dv_sh;
 #pragma unroll

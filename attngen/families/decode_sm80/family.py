@@ -168,6 +168,8 @@ class Sm80Decode(KernelFamily):
             return f"needs sm_80 or newer, not {target.name}"
         if problem.head_dim not in HEAD_DIMS:
             return f"head_dim {problem.head_dim} is not one of {HEAD_DIMS}"
+        if problem.dropout_p:
+            return f"dropout_p={problem.dropout_p} is for training; decoding is inference: allowed dropout_p=0"
         return mask_problem(problem)
 
     def check_config(self, config: Mapping[str, Any]) -> list[str]:

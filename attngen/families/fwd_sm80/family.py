@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from attngen import mask_table
+from attngen import dropout, mask_table
 from attngen.codegen import render as codegen
 from attngen.codegen.abi import Abi, Param
 from attngen.errors import SpecError
@@ -206,7 +206,9 @@ class Sm80Forward(KernelFamily):
         if config.rows_per_warp not in ROWS_PER_WARP or config.block_m % config.num_warps:
             raise SpecError(f"config {config.label()}: block_m / num_warps must be 16 or 32", field="config")
         register_tight = self._register_tight(config, problem.head_dim)
-        sub_n = min(config.block_n, 64) if register_tight else config.block_n
+        # Dropout's keep masks of two m16 tiles are live beside the packed P: 64-key steps at most.
+        narrow = register_tight or (problem.dropout_p > 0 and config.rows_per_warp == 32)
+        sub_n = min(config.block_n, 64) if narrow else config.block_n
         q_in_regs = _fragment_registers(config, problem.head_dim, sub_n, q_in_regs=True) <= REGISTER_BUDGET
         smem = smem_bytes(config, problem.head_dim, row_sums_in_smem=register_tight)
         if smem > target.smem_per_block:
@@ -220,6 +222,8 @@ class Sm80Forward(KernelFamily):
         table = mask_table.for_problem(problem)
         abi = mask_table.with_table(with_inputs(ARGUMENTS, problem_inputs(problem), _the_call), table, _the_call,
                                     config.block_m)
+        if problem.dropout_p:
+            abi = dropout.with_rng(abi, _the_call)
         return Sm80Plan(
             family=self.name, name=name, problem=problem, target=target, config=config,
             kernels=(KernelPlan(name, threads, smem, abi), *mask_table.kernels(name, table, abi)),

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from attngen import mask_table
+from attngen import dropout, mask_table
 from attngen.codegen import render as codegen
 from attngen.codegen.abi import Abi, Param
 from attngen.dtypes import get_dtype
@@ -51,6 +51,9 @@ NUM_STAGES = (2, 3, 4)
 # Registers per thread of the producer and of each consumer warpgroup (setmaxnreg): the 64K
 # register file split so the consumers hold S, P and O. One consumer warpgroup keeps the default.
 REGISTERS = {1: (None, None), 2: (24, 240), 3: (32, 160)}
+# Dropout's draws and keep masks do not fit beside S, P and O in 160 registers: with dropout, at
+# most 2 consumer warpgroups (240 registers each).
+DROPOUT_CONSUMERS = 2
 DEFAULT_SMS = 132  # a persistent grid's size where the target is not a device (an H100 SXM)
 _LABEL = re.compile(r"m(\d+)n(\d+)s(\d+)(o?)(p?)(r?)")
 
@@ -172,14 +175,16 @@ class Sm90Forward(KernelFamily):
     def configs(self, problem: Problem, target: Target, pinned: Mapping[str, Any] | None = None) -> list[Sm90Config]:
         pinned = dict(pinned or {})
         values = [(pinned[f],) if f in pinned else allowed for f, allowed in self.config_fields.items()]
-        return [Sm90Config(*combo) for combo in itertools.product(*values) if not (combo[4] and combo[1] == 1)]
+        return [Sm90Config(*combo) for combo in itertools.product(*values) if not (combo[4] and combo[1] == 1)
+                and not (problem.dropout_p and combo[1] > DROPOUT_CONSUMERS)]
 
     def default_config(self, problem: Problem, target: Target) -> Sm90Config:
         plain = problem.mask in ("none", "causal") and problem.score_mod is None and problem.sink is None
         kind = problem.mask if plain else "expressions"
         choices = _preferences()[problem.head_dim, kind]
         for config in choices:
-            if smem_bytes(config, problem.head_dim) <= target.smem_per_block:
+            if smem_bytes(config, problem.head_dim) <= target.smem_per_block \
+                    and not (problem.dropout_p and config.consumers > DROPOUT_CONSUMERS):
                 return config
         return choices[-1]
 
@@ -197,6 +202,10 @@ class Sm90Forward(KernelFamily):
             raise SpecError(f"family {self.name} cannot run this problem on {target.name}: {reason}", field="family")
         if config.pingpong and config.consumers == 1:
             raise SpecError(f"config {config.label()}: pingpong needs 2 or 3 consumer warpgroups", field="config")
+        if problem.dropout_p and config.consumers > DROPOUT_CONSUMERS:
+            raise SpecError(f"config {config.label()}: {config.consumers} consumer warpgroups leave 160 registers per "
+                            f"thread, too few for dropout's keep masks beside S, P and O; allowed with dropout_p > 0: "
+                            f"consumers <= {DROPOUT_CONSUMERS}", field="config")
         q_buffers = 2 if smem_bytes(config, problem.head_dim, 2) <= target.smem_per_block else 1
         smem = smem_bytes(config, problem.head_dim, q_buffers)
         if smem > target.smem_per_block:
@@ -210,6 +219,8 @@ class Sm90Forward(KernelFamily):
         table = mask_table.for_problem(problem)
         abi = mask_table.with_table(with_inputs(ARGUMENTS, problem_inputs(problem), _the_call), table, _the_call,
                                     config.block_m)
+        if problem.dropout_p:
+            abi = dropout.with_rng(abi, _the_call)
         return Sm90Plan(
             family=self.name, name=name, problem=problem, target=target, config=config,
             kernels=(KernelPlan(name, threads, smem, abi), *mask_table.kernels(name, table, abi)),

@@ -19,7 +19,8 @@
 // CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PERSISTENT, SET_MAX_REGS, PRODUCER_REGS,
 // CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
 // namespace score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2),
-// and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS).
+// and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS); with ATTNGEN_DROPOUT, namespace dropout
+// (attngen/cuda/philox.cuh) and p.rng.
 
 namespace fa90 {
 
@@ -243,6 +244,15 @@ __device__ __forceinline__ void to_operand(u32 (&pf)[PK][4], const float (&s)[S_
     }
 }
 
+#ifdef ATTNGEN_DROPOUT
+// Dropout of a warp's P operand (16 rows from row_base, the key block from n0), after the row sums:
+// the LSE is of the undropped P (attngen/cuda/philox.cuh).
+__device__ __forceinline__ void drop(u32 (&pf)[PK][4], const dropout::Rng& rng, const Tile& tile, int row_base, int n0) {
+    dropout::drop_p<1, BLOCK_N / 8, BLOCK_N % 32 == 0>(reinterpret_cast<u32 (&)[1][PK][4]>(pf), rng, tile.batch, tile.head,
+                                                       row_base, n0);
+}
+#endif
+
 // Pingpong: a warpgroup issues its GEMMs only after the previous one has issued its own.
 struct Turns {
     int wg;
@@ -278,6 +288,10 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
     float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
+#ifdef ATTNGEN_DROPOUT
+    const dropout::Rng rng = dropout::load(p.rng);
+    const int row_base = row0 - lane / 4;
+#endif
     auto k_tile = [&](int it) { return sK + ((g + it) % NUM_STAGES) * KV_BYTES; };
     auto v_tile = [&](int it) { return sV + ((g + it) % NUM_STAGES) * KV_BYTES; };
     auto wait_k = [&](int it) {
@@ -304,6 +318,9 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
             prepare_scores(s, row0, b, 0, p, tile, lane);
             softmax_step(s, row_max, row_sum, alpha, score_log2(p));
             to_operand(pf, s);
+#ifdef ATTNGEN_DROPOUT
+            drop(pf, rng, tile, row_base, b.key0(0));
+#endif
 #pragma unroll 1
             for (int it = 1; it < n; ++it) {
                 wait_k(it);
@@ -322,6 +339,9 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
                 release_v(it - 1);
                 rescale(o, alpha);
                 to_operand(pf, s);
+#ifdef ATTNGEN_DROPOUT
+                drop(pf, rng, tile, row_base, b.key0(it));
+#endif
             }
             wait_v(n - 1);
             turns.begin();
@@ -344,6 +364,9 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
                 softmax_step(s, row_max, row_sum, alpha, score_log2(p));
                 rescale(o, alpha);
                 to_operand(pf, s);
+#ifdef ATTNGEN_DROPOUT
+                drop(pf, rng, tile, row_base, b.key0(it));
+#endif
                 wait_v(it);
                 turns.begin();
                 issue_pv(o, pf, v_tile(it));
@@ -364,6 +387,9 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
         const int q = row0 + 8 * h;
         float lse;  // a row with no visible key: output 0, LSE -inf (or the sink)
         inv[h] = score::finish_row(row_max[h], quad_sum(row_sum[h]), q, p.Sq, p.Sk, tile.batch, tile.head, p, lse);
+#ifdef ATTNGEN_DROPOUT
+        inv[h] *= dropout::SCALE;  // kept probabilities are scaled by 1 / (1 - p)
+#endif
         if (lane % 4 == 0 && q < p.Sq) p.lse[((i64)tile.batch * p.Hq + tile.head) * p.Sq + q] = lse;
     }
 #pragma unroll
