@@ -1,7 +1,8 @@
 """What fused dropout costs (docs/dropout.md, "Speed"): forward and forward+backward through the front
 door with dropout_p 0 and 0.1, per forward family, in the FlashAttention papers' setup (batch x seqlen
-= 16k, hidden 2048, bf16), TFLOP/s as they count them (attngen/bench_backward.py _flops). Prints one
-line per case: python scripts/dropout-speed.py [seqlen ...]."""
+= 16k, hidden 2048, bf16), TFLOP/s as they count them (attngen/bench_backward.py _flops). The backward
+is the dispatcher's: on the H100 bwd_sm90 without dropout, bwd_sm80 with it. Prints one line per
+case: python scripts/dropout-speed.py [seqlen ...]."""
 
 import sys
 
