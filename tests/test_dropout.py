@@ -292,3 +292,18 @@ def test_dropout_kernels_compile_without_spills(family, arch, spec, config):
     report = nvcc.check_plan(plan)
     for name, kernel in (report.kernels or {plan.name: report}).items():
         assert kernel.spill_bytes == 0 and kernel.stack_frame_bytes == 0, (name, report.log)
+
+
+def test_tune_and_fuzz_refuse_specs_with_dropout(tmp_path):
+    """Both verify against the reference without dropout: a spec with dropout is named, not mis-tested."""
+    from attngen.fuzz.command import _spec_pool
+    from attngen.tune.search import TuneError, check_no_dropout
+
+    spec = AttentionSpec(head_dim=64, mask="causal", dropout_p=0.1)
+    with pytest.raises(TuneError, match="dropout_p=0.1: the tuner verifies its winner against the reference"):
+        check_no_dropout(spec)
+    check_no_dropout(spec.replace(dropout_p=0.0))
+    path = tmp_path / "drop.yaml"
+    path.write_text("head_dim: 64\nmask: causal\ndropout_p: 0.1\n")
+    with pytest.raises(SpecError, match=r"drop.yaml: dropout_p=0.1: the fuzzer compares kernels with the reference"):
+        _spec_pool([path], False, 0, 0, H100)
