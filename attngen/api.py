@@ -39,7 +39,7 @@ SCHEMA = ("(Tensor q, Tensor k, Tensor v, str spec_key, float? softmax_scale, st
 BACKWARD_OP = "attngen::backward"
 BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, str spec_key, "
                    "float? softmax_scale, str[]? input_names=None, Tensor[]? inputs=None, Tensor? rng=None) -> "
-                   "(Tensor, Tensor, Tensor)")
+                   "(Tensor, Tensor, Tensor, Tensor)")
 # Eager calls on plain tensors, with autograd not needed, run the op's implementation directly.
 EAGER_DIRECT = True
 _SPEC_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
@@ -198,16 +198,18 @@ def _needs_grad(torch, q, k, v, inputs) -> bool:
 
 
 def _check_grad_inputs(spec_key: str, input_names, inputs) -> None:
-    """ValueError naming a runtime input that requires grad but is not read by the sink alone: the
-    backward kernels give no gradient of an input of the mask or score modifier."""
+    """ValueError naming a runtime input that requires grad but has no gradient: those the sink alone
+    reads get theirs in torch, those the score modifier reads at [h] alone from the backward kernels
+    (attngen/families/bwd_shared.py learnable_inputs); a mask's inputs and other modifier inputs none."""
     wanted = [name for name, t in zip(input_names or (), inputs or ()) if t.requires_grad]
     if not wanted:
         return
-    allowed = _SINK_INPUTS(spec_key)
+    sink, learnable = _SINK_INPUTS(spec_key), _LEARNABLE(spec_key)
     for name in wanted:
-        if name not in allowed:
+        if name not in sink and name not in learnable:
             raise ValueError(f"inputs[{name!r}] requires grad, but gradients of runtime inputs are only supported "
-                             f"for the sink's (inputs only the sink reads: {list(allowed)}); allowed: detach "
+                             f"for those the sink alone reads ({list(sink)}) and those the score modifier reads "
+                             f"at [h] alone, one value per query head ({list(learnable)}); allowed: detach "
                              f"inputs[{name!r}] or call under torch.no_grad()")
 
 
@@ -231,6 +233,16 @@ def _sink_inputs(spec_key: str) -> tuple[str, ...]:
 
 
 _SINK_INPUTS = _sink_inputs  # register() makes it a constant of torch.compile's traces
+
+
+def _learnable_inputs(spec_key: str) -> tuple[str, ...]:
+    """Names of the runtime inputs whose gradients the backward kernels give (bwd_shared.learnable_inputs)."""
+    from attngen.families.bwd_shared import learnable_inputs
+
+    return learnable_inputs(_spec_from_key(spec_key).problem)
+
+
+_LEARNABLE = _learnable_inputs  # as _SINK_INPUTS
 
 
 def _split_inputs(inputs) -> tuple[list, list]:
@@ -401,7 +413,8 @@ def _backward_impl(dout, q, k, v, out, lse, dlse, spec_key: str, softmax_scale: 
 
 def _backward_fake(dout, q, k, v, out, lse, dlse, spec_key: str, softmax_scale: float | None, input_names=None,
                    inputs=None, rng=None):
-    """Shapes and dtypes of dq (q's), dk and dv (k's), after the checks that need no data."""
+    """Shapes and dtypes of dq (q's), dk and dv (k's) and the learnable inputs' per-head gradients
+    ((learnable inputs, Hq) float32), after the checks that need no data."""
     from attngen.runtime import backward as runtime
 
     spec = _spec_from_key(spec_key)
@@ -414,7 +427,10 @@ def _backward_fake(dout, q, k, v, out, lse, dlse, spec_key: str, softmax_scale: 
     given = {name: _meta_info(f"inputs[{name!r}]", t) for name, t in zip(input_names or (), inputs or ())}
     rng_info = None if rng is None else _meta_info("rng", rng)
     runtime.backward_call(spec.problem, qi, ki, vi, oi, li, di, dli, *grads, softmax_scale, given, rng_info)
-    return q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape)
+    from attngen.families.bwd_shared import learnable_inputs
+
+    head_sums = q.new_empty((len(learnable_inputs(spec.problem)), q.shape[2]), dtype=_torch().float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape), head_sums
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -441,15 +457,20 @@ def _backward(ctx, grad_out, grad_lse):
     # One entry per argument the call passed (the dispatcher drops trailing defaults): q, k, v,
     # spec_key, softmax_scale, then input_names and inputs (a list of bools) and rng when passed.
     needs = ctx.needs_input_grad
-    dq = dk = dv = input_grads = None
+    dq = dk = dv = input_grads = head_sums = None
     if grad_out is not None or grad_lse is not None:
         dout = torch.zeros_like(out) if grad_out is None else _rows_aligned(grad_out)
         dlse = None if grad_lse is None else grad_lse.contiguous()
-        if any(needs[:3]):
-            dq, dk, dv = torch.ops.attngen.backward(dout, q, k, v, out, lse, dlse, ctx.spec_key, ctx.softmax_scale,
-                                                    ctx.input_names, tensors if ctx.has_inputs else None,
-                                                    *(() if rng is None else (rng,)))
-        input_grads = _input_grads(torch, ctx, needs, tensors, out, lse, dout, dlse, k.shape[1])
+        learnable = _LEARNABLE(ctx.spec_key)
+        kernels_wanted = any(needs[:3]) or (ctx.has_inputs and any(
+            need and name in learnable for name, need in zip(ctx.input_names, needs[6])))
+        if kernels_wanted:
+            dq, dk, dv, head_sums = torch.ops.attngen.backward(
+                dout, q, k, v, out, lse, dlse, ctx.spec_key, ctx.softmax_scale, ctx.input_names,
+                tensors if ctx.has_inputs else None, *(() if rng is None else (rng,)))
+            if not any(needs[:3]):
+                dq = dk = dv = None
+        input_grads = _input_grads(torch, ctx, needs, tensors, out, lse, dout, dlse, k.shape[1], head_sums)
     elif ctx.has_inputs:
         input_grads = [None] * len(tensors)
     # torch (2.11) checks the formula's output against the inputs' structure: an empty input_names
@@ -458,15 +479,28 @@ def _backward(ctx, grad_out, grad_lse):
     return (dq, dk, dv, None, None, names_grad, input_grads, None)[:len(needs)]
 
 
-def _input_grads(torch, ctx, needs, tensors, out, lse, dout, dlse, seq_k):
-    """The gradients of the `inputs` list (None for those not wanted), or None when none was passed."""
+def _input_grads(torch, ctx, needs, tensors, out, lse, dout, dlse, seq_k, head_sums):
+    """The gradients of the `inputs` list (None for those not wanted), or None when none was passed: the
+    sink's inputs' in torch, the learnable inputs' from the kernels' per-head sums."""
     if not ctx.has_inputs:
         return None
     wanted = [name for name, need in zip(ctx.input_names, needs[6]) if need]
     if not wanted:
         return [None] * len(tensors)
-    sink = _spec_from_key(ctx.spec_key).problem.sink
-    grads = sink_grads(torch, sink, out, lse, dout, dlse, seq_k, dict(zip(ctx.input_names, tensors)), wanted)
+    learnable = _LEARNABLE(ctx.spec_key)
+    by_name = dict(zip(ctx.input_names, tensors))
+    grads = {}
+    from_sink = [name for name in wanted if name not in learnable]
+    if from_sink:
+        sink = _spec_from_key(ctx.spec_key).problem.sink
+        grads = sink_grads(torch, sink, out, lse, dout, dlse, seq_k, by_name, from_sink)
+    for i, name in enumerate(learnable):
+        if name in wanted:  # read at [h] alone: entries past the query heads get no gradient
+            t = by_name[name]
+            heads = head_sums.shape[1]
+            grad = head_sums[i].to(t.dtype)
+            grads[name] = grad if t.shape[0] == heads else \
+                torch.cat([grad, torch.zeros(t.shape[0] - heads, dtype=t.dtype, device=t.device)])
     return [grads.get(name) for name in ctx.input_names]
 
 
@@ -524,12 +558,13 @@ def register():
     """Register torch.ops.attngen.forward (with its autograd formula) and attngen.backward, once;
     returns the forward op. Done when torch is imported, before or after attngen (importing attngen
     needs no torch)."""
-    global _OP, _TEXTS, _SINK_INPUTS
+    global _OP, _TEXTS, _SINK_INPUTS, _LEARNABLE
     if _OP is not None:
         return _OP
     torch = _torch()
     _TEXTS = torch.compiler.assume_constant_result(_texts)
     _SINK_INPUTS = torch.compiler.assume_constant_result(_sink_inputs)
+    _LEARNABLE = torch.compiler.assume_constant_result(_learnable_inputs)
 
     @torch.library.custom_op(OP, mutates_args=(), schema=SCHEMA)
     def forward(q, k, v, spec_key, softmax_scale, input_names=None, inputs=None, rng=None):

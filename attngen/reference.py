@@ -236,13 +236,17 @@ def attention_grads(
         psink = None
         if dense.sinks is not None:
             psink = torch.where(dense.lse == -math.inf, 0.0, torch.exp(dense.sinks - dense.lse))
-    jacobian = {}
+    jacobian, dmod = {}, {}
     for name, leaf in leaves.items():
-        jacobian[name] = _sink_jacobian(sink, leaf.detach(), name, plain, dense, Sq, Sk)
+        if _read_at_h_by_modifier(name, score_mod, sink):
+            dmod[name] = _modifier_input_derivative(modifier, name, dense, Sq, Sk, plain, P.shape)
+        else:
+            jacobian[name] = _sink_jacobian(sink, leaf.detach(), name, plain, dense, Sq, Sk)
     parts = {
         "scale": scale, "ratio": ratio, "S": dense.raw, "Z": dense.scores, "visible": dense.visible, "P": P,
         "dP": dP, "g1": g1, "g2": g2, "dS": dS, "lse": dense.lse, "D": delta, "sinks": dense.sinks,
-        "psink": psink, "out": og, "jacobian": jacobian, "dinputs": dict(zip(leaves, grads[3:])), "W": drop,
+        "psink": psink, "out": og, "jacobian": jacobian, "dmod": dmod, "dinputs": dict(zip(leaves, grads[3:])),
+        "W": drop,
         "keep_scale": dropout.keep_scale(dropout_p),
     }
     return grads[0], grads[1], grads[2], parts
@@ -262,6 +266,26 @@ def _modifier_derivatives(modifier, dense, Sq: int, Sk: int, inputs):
             (g2,) = torch.autograd.grad(g1.sum(), s, allow_unused=True)
     g1 = torch.broadcast_to(g1.detach(), s.shape)
     return g1, torch.zeros_like(s) if g2 is None else g2.detach()
+
+
+def _read_at_h_by_modifier(name: str, score_mod, sink) -> bool:
+    """Whether inputs[name] is one the backward kernels differentiate (bwd_shared.learnable_inputs)."""
+    from attngen.families.bwd_shared import learnable_inputs
+    from attngen.spec import Problem
+
+    if score_mod is None:
+        return False
+    return name in learnable_inputs(Problem(head_dim=64, dtype="bf16", gqa_ratio=1, mask="none", softmax_scale=None,
+                                            score_mod=score_mod, sink=sink))
+
+
+def _modifier_input_derivative(modifier, name, dense, Sq: int, Sk: int, inputs, shape):
+    """d Z / d inputs[name][h] per element, (B, Hkv, ratio, Sq, Sk) float64: the symbolic derivative
+    (attngen/maskc/diff.py) evaluated densely; for the error bounds only (the reference's gradient of
+    the input itself comes from autograd)."""
+    q_idx, kv_idx, b, h = dense.index
+    program = modifier.program.input_derivative(name)  # a ScoreModProgram: its own dense evaluation
+    return torch.broadcast_to(program.dense(dense.raw, q_idx, kv_idx, Sq, Sk, b=b, h=h, inputs=inputs), shape)
 
 
 def _sink_jacobian(sink, x, name, inputs, dense, Sq: int, Sk: int):

@@ -276,6 +276,22 @@ def grad_bounds(ref_grads, q, k, v, out, dout, dtype: str, scale: float, *, lse=
             J = jacobian.abs().reshape(rows, -1)
             pre = (E.reshape(-1) @ J + rows * e32 * ((grad_abs + E).reshape(-1) @ J)).reshape(jacobian.shape[4:])
             inputs[name] = pre + e32 * (parts["dinputs"][name].abs() + pre)
+    # 8b. The score modifier's inputs read at [h] (bwd_shared.learnable_inputs): per head, the sum over
+    # batches, rows and keys of G m, G = P (dP - D) the gradient of the modified score (the dS of 6.
+    # without g' and the scale), m = d modified / d input in fp32; summed in fp32 in any order.
+    if parts.get("dmod"):
+        G_abs = (P * (parts["dP"] - delta[..., None])).abs()
+        E_G = eta * G_abs + (1 + eta) * P * (ddP + dD[..., None])
+        E_G = E_G + 4 * e32 * (G_abs + E_G)
+        terms = G_abs.shape[0] * G_abs.shape[3] * G_abs.shape[4]  # batches x rows x keys per head
+        for name, m in parts["dmod"].items():
+            m_abs = m.abs()
+            pre = (E_G * m_abs + 4 * e32 * G_abs * m_abs).sum(dim=(0, 3, 4)).reshape(-1)  # (Hkv * ratio,) = heads
+            pre = pre + terms * e32 * ((G_abs + E_G) * m_abs).sum(dim=(0, 3, 4)).reshape(-1)
+            ref = parts["dinputs"][name]
+            bound = torch.zeros_like(ref)
+            bound[:pre.numel()] = pre
+            inputs[name] = bound + e32 * (ref.abs() + bound)
     return {"dq": _unrows(dq_bound), "dk": _keys(dk_bound), "dv": _keys(dv_bound), "inputs": inputs,
             "row_seen": _unrows(row_seen.expand(dq_bound.shape))[..., 0] > 0,
             "key_seen": key_seen[..., 0].permute(0, 2, 1) > 0}

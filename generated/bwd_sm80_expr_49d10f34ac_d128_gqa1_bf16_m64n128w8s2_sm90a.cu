@@ -111,6 +111,7 @@ struct BwdParams {
     float* dq_acc;  // (B, Hq, Sq_pad, D) fp32 dQ accumulator (workspace)
     float* lse2;  // (B, Hq, Sq_pad) LSE * log2(e), +inf for rows with no visible key (workspace)
     float* delta;  // (B, Hq, Sq_pad) rowsum(dO * O) - dLSE (workspace)
+    float* igrad;  // (learnable inputs, B, Hq, key blocks) per-CTA sums of their gradients (workspace)
     int Sq;
     int Sk;
     int Hq;
@@ -150,7 +151,7 @@ struct BwdParams {
     int* mask_table;  // bounds per query block (workspace)
     int mask_rows;  // (batch x heads) entries the table is kept for
 };
-static_assert(sizeof(BwdParams) == 384, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(sizeof(BwdParams) == 392, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
 static_assert(alignof(BwdParams) == 8, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
 #ifndef __CUDACC_RTC__
 static_assert(__builtin_offsetof(BwdParams, q) == 0, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
@@ -166,44 +167,45 @@ static_assert(__builtin_offsetof(BwdParams, dv) == 72, "host and device disagree
 static_assert(__builtin_offsetof(BwdParams, dq_acc) == 80, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(BwdParams, lse2) == 88, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(BwdParams, delta) == 96, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, Sq) == 104, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, Sk) == 108, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, Hq) == 112, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, Sq_pad) == 116, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, q_sb) == 120, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, q_ss) == 128, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, q_sh) == 136, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, k_sb) == 144, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, k_ss) == 152, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, k_sh) == 160, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, v_sb) == 168, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, v_ss) == 176, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, v_sh) == 184, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, out_sb) == 192, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, out_ss) == 200, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, out_sh) == 208, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dout_sb) == 216, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dout_ss) == 224, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dout_sh) == 232, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dq_sb) == 240, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dq_ss) == 248, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dq_sh) == 256, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dk_sb) == 264, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dk_ss) == 272, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dk_sh) == 280, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dv_sb) == 288, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dv_ss) == 296, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dv_sh) == 304, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, scale_log2) == 312, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, scale) == 316, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, in_doc) == 320, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, in_doc_s0) == 328, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, in_doc_s1) == 336, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, in_doc_n0) == 344, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, in_doc_n1) == 352, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, sum_doc) == 360, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, mask_table) == 368, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, mask_rows) == 376, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, igrad) == 104, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, Sq) == 112, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, Sk) == 116, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, Hq) == 120, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, Sq_pad) == 124, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, q_sb) == 128, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, q_ss) == 136, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, q_sh) == 144, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, k_sb) == 152, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, k_ss) == 160, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, k_sh) == 168, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, v_sb) == 176, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, v_ss) == 184, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, v_sh) == 192, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, out_sb) == 200, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, out_ss) == 208, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, out_sh) == 216, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dout_sb) == 224, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dout_ss) == 232, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dout_sh) == 240, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dq_sb) == 248, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dq_ss) == 256, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dq_sh) == 264, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dk_sb) == 272, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dk_ss) == 280, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dk_sh) == 288, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dv_sb) == 296, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dv_ss) == 304, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dv_sh) == 312, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, scale_log2) == 320, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, scale) == 324, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, in_doc) == 328, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, in_doc_s0) == 336, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, in_doc_s1) == 344, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, in_doc_n0) == 352, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, in_doc_n1) == 360, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, sum_doc) == 368, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, mask_table) == 376, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, mask_rows) == 384, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
 #endif
 
 // Mask expr_49d10f34ac: doc[b, q_idx] == doc[b, kv_idx] and kv_idx <= q_idx + (kv_len - q_len)
@@ -465,6 +467,15 @@ __device__ __forceinline__ float modify_grad(float score, int q, int k, int Sq, 
     return 1.f;
 }
 
+// Learnable inputs (attngen/families/bwd_shared.py learnable_inputs): d modify / d inputs[name][h].
+constexpr int INPUT_GRADS = 0;
+template <class P>
+__device__ __forceinline__ void modify_input_grads(float score, int q, int k, int Sq, int Sk, int batch, int head,
+                                                   const P& p, float (&g)[INPUT_GRADS > 0 ? INPUT_GRADS : 1]) {
+    const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
+    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p; (void)score; (void)g;
+}
+
 constexpr bool HAS_SINK = false;
 
 template <class P>
@@ -505,7 +516,9 @@ __device__ __forceinline__ float finish_row(float max2, float sum, int q, int Sq
 // ---- bwd_rows.cuh: the per-row kernels every backward family runs around its main kernel ----
 // prep (D, the LSE in log2, the dQ accumulator zeroed) and convert_dq (the fp32 accumulator to dQ),
 // and add_dq, which main kernels use to add an m16 x n8 accumulator tile to the accumulator.
-// attngen/families/bwd_shared.py launches them. Needs, from the rendered template: struct BwdParams
+// attngen/families/bwd_shared.py launches them. Also the learnable inputs' per-CTA gradient sums
+// (init_input_grads, store_input_grads). Needs, from the rendered template: struct BwdParams,
+// score::INPUT_GRADS (attngen/cuda/score_mod.cuh.j2)
 // and namespace cfg { HEAD_DIM, BLOCK_M, IS_BF16, elem_t, VECTOR_RED, DQ_PARTS, DQ_SWIZZLED, PREP_THREADS,
 // DQ_THREADS }.
 
@@ -614,6 +627,55 @@ __device__ __forceinline__ void convert_dq(const Params& p) {
     out.z = pack2<IS_BF16>(b.x, b.y);
     out.w = pack2<IS_BF16>(b.z, b.w);
     *reinterpret_cast<uint4*>(p.dq + batch * p.dq_sb + (i64)row * p.dq_ss + head * p.dq_sh + col) = out;
+}
+
+// -- learnable inputs (attngen/families/bwd_shared.py): one float per (input, batch, head, key block) --
+constexpr int IG = score::INPUT_GRADS;
+constexpr int IG_REGS = IG > 0 ? IG : 1;
+
+__device__ __forceinline__ float* input_grad_slot(const Params& p, int n, int batch, int head) {
+    // The main kernels' grid: y key blocks, z batches.
+    return p.igrad + (((i64)n * gridDim.z + batch) * p.Hq + head) * gridDim.y + blockIdx.y;
+}
+
+// Zeros for every head of the CTA's GQA group (a head none of whose blocks the CTA sees keeps them);
+// thread 0 alone writes the slots, so its later stores land after these.
+template <int GROUP>
+__device__ __forceinline__ void init_input_grads(const Params& p, int kv_head, int batch) {
+    if constexpr (IG > 0) {
+        if (threadIdx.x == 0)
+#pragma unroll 1
+            for (int n = 0; n < IG; ++n)
+                for (int g = 0; g < GROUP; ++g) *input_grad_slot(p, n, batch, kv_head * GROUP + g) = 0.f;
+    }
+}
+
+// The CTA's sums for one head: each thread's, then each warp's (shuffles), then thread 0 adds the
+// warps' in warp order and stores them: a fixed order, so the gradient is deterministic. Every
+// thread of the CTA calls it (it synchronises the CTA); acc is zeroed for the next head.
+template <int WARPS>
+__device__ __forceinline__ void store_input_grads(float (&acc)[IG_REGS], const Params& p, int batch, int head) {
+    if constexpr (IG > 0) {
+        __shared__ float warp_sums[IG][WARPS];
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+        for (int n = 0; n < IG; ++n) {
+            float v = acc[n];
+#pragma unroll
+            for (int s = 16; s > 0; s /= 2) v += __shfl_xor_sync(0xffffffffu, v, s);
+            if (lane == 0) warp_sums[n][warp] = v;
+            acc[n] = 0.f;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0)
+#pragma unroll 1
+            for (int n = 0; n < IG; ++n) {
+                float sum = 0.f;
+                for (int w = 0; w < WARPS; ++w) sum += warp_sums[n][w];
+                *input_grad_slot(p, n, batch, head) = sum;
+            }
+        __syncthreads();  // warp_sums is free for the next head
+    }
 }
 
 }  // namespace bwd_rows
@@ -784,6 +846,11 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) dk_acc[mt][dt][i] = dv_acc[mt][dt][i] = 0.f;
 
+    // Learnable inputs' gradient sums (attngen/families/bwd_shared.py): per thread for the current head.
+    float ig[bwd_rows::IG_REGS] = {};
+    int ig_head = -1;
+    bwd_rows::init_input_grads<GQA_RATIO>(p, kv_head, batch);
+
     int cur = next_visible(0);
     if (cur < items) load_item(cur, 0);
     int stage = 0;
@@ -791,6 +858,10 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
     while (cur < items) {
         bool unused;
         const Item item = item_at(cur, unused);
+        if constexpr (bwd_rows::IG > 0) {
+            if (ig_head >= 0 && item.head != ig_head) bwd_rows::store_input_grads<NUM_WARPS>(ig, p, batch, ig_head);
+            ig_head = item.head;
+        }
         const int next = next_visible(cur + 1);
         cp_async_wait<0>();
         __syncthreads();  // this block's Q/dO landed; every warp is done with the previous block
@@ -885,6 +956,15 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
                         pv[i] = pr;
 #endif
                         dsv[i] = shown ? pr * (dp - delta) * grad * p.scale : 0.f;
+                        if constexpr (bwd_rows::IG > 0) {  // dL/d modified score times d modified / d input
+                            if (shown) {
+                                float dm[bwd_rows::IG_REGS];
+                                score::modify_input_grads(s_acc[mt][nt][i] * p.scale, q, k, Sq, Sk, batch, item.head,
+                                                          p, dm);
+#pragma unroll
+                                for (int n = 0; n < bwd_rows::IG; ++n) ig[n] += pr * (dp - delta) * dm[n];
+                            }
+                        }
                     }
                     const int kk = nt / 2, half = nt % 2;
                     p_frag[mt][kk][2 * half] = pack2<IS_BF16>(pv[0], pv[1]);
@@ -975,6 +1055,9 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
             stage ^= 1;
         }
         cur = next;
+    }
+    if constexpr (bwd_rows::IG > 0) {
+        if (ig_head >= 0) bwd_rows::store_input_grads<NUM_WARPS>(ig, p, batch, ig_head);
     }
 
     // Epilogue: dK and dV through this warp's own K and V rows in shared memory, so global stores

@@ -192,6 +192,7 @@ struct BwdParams {
     float* dq_acc;  // (B, Hq, Sq_pad, D) fp32 dQ accumulator (workspace)
     float* lse2;  // (B, Hq, Sq_pad) LSE * log2(e), +inf for rows with no visible key (workspace)
     float* delta;  // (B, Hq, Sq_pad) rowsum(dO * O) - dLSE (workspace)
+    float* igrad;  // (learnable inputs, B, Hq, key blocks) per-CTA sums of their gradients (workspace)
     int Sq;
     int Sk;
     int Hq;
@@ -223,7 +224,7 @@ struct BwdParams {
     float scale_log2;  // softmax_scale * log2(e)
     float scale;  // softmax_scale: a score modifier sees scaled scores
 };
-static_assert(sizeof(BwdParams) == 320, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(sizeof(BwdParams) == 328, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
 static_assert(alignof(BwdParams) == 8, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
 #ifndef __CUDACC_RTC__
 static_assert(__builtin_offsetof(BwdParams, q) == 0, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
@@ -239,36 +240,37 @@ static_assert(__builtin_offsetof(BwdParams, dv) == 72, "host and device disagree
 static_assert(__builtin_offsetof(BwdParams, dq_acc) == 80, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(BwdParams, lse2) == 88, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(BwdParams, delta) == 96, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, Sq) == 104, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, Sk) == 108, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, Hq) == 112, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, Sq_pad) == 116, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, q_sb) == 120, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, q_ss) == 128, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, q_sh) == 136, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, k_sb) == 144, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, k_ss) == 152, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, k_sh) == 160, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, v_sb) == 168, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, v_ss) == 176, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, v_sh) == 184, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, out_sb) == 192, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, out_ss) == 200, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, out_sh) == 208, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dout_sb) == 216, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dout_ss) == 224, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dout_sh) == 232, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dq_sb) == 240, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dq_ss) == 248, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dq_sh) == 256, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dk_sb) == 264, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dk_ss) == 272, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dk_sh) == 280, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dv_sb) == 288, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dv_ss) == 296, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dv_sh) == 304, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, scale_log2) == 312, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, scale) == 316, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, igrad) == 104, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, Sq) == 112, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, Sk) == 116, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, Hq) == 120, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, Sq_pad) == 124, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, q_sb) == 128, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, q_ss) == 136, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, q_sh) == 144, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, k_sb) == 152, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, k_ss) == 160, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, k_sh) == 168, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, v_sb) == 176, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, v_ss) == 184, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, v_sh) == 192, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, out_sb) == 200, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, out_ss) == 208, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, out_sh) == 216, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dout_sb) == 224, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dout_ss) == 232, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dout_sh) == 240, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dq_sb) == 248, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dq_ss) == 256, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dq_sh) == 264, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dk_sb) == 272, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dk_ss) == 280, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dk_sh) == 288, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dv_sb) == 296, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dv_ss) == 304, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dv_sh) == 312, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, scale_log2) == 320, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, scale) == 324, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
 #endif
 
 // Mask causal: causal
@@ -373,6 +375,15 @@ __device__ __forceinline__ float modify_grad(float score, int q, int k, int Sq, 
     return 1.f;
 }
 
+// Learnable inputs (attngen/families/bwd_shared.py learnable_inputs): d modify / d inputs[name][h].
+constexpr int INPUT_GRADS = 0;
+template <class P>
+__device__ __forceinline__ void modify_input_grads(float score, int q, int k, int Sq, int Sk, int batch, int head,
+                                                   const P& p, float (&g)[INPUT_GRADS > 0 ? INPUT_GRADS : 1]) {
+    const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
+    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p; (void)score; (void)g;
+}
+
 constexpr bool HAS_SINK = false;
 
 template <class P>
@@ -445,7 +456,9 @@ __device__ __forceinline__ void wgmma_dq(float (&d)[32], u64 desc_a, u64 desc_b,
 // ---- bwd_rows.cuh: the per-row kernels every backward family runs around its main kernel ----
 // prep (D, the LSE in log2, the dQ accumulator zeroed) and convert_dq (the fp32 accumulator to dQ),
 // and add_dq, which main kernels use to add an m16 x n8 accumulator tile to the accumulator.
-// attngen/families/bwd_shared.py launches them. Needs, from the rendered template: struct BwdParams
+// attngen/families/bwd_shared.py launches them. Also the learnable inputs' per-CTA gradient sums
+// (init_input_grads, store_input_grads). Needs, from the rendered template: struct BwdParams,
+// score::INPUT_GRADS (attngen/cuda/score_mod.cuh.j2)
 // and namespace cfg { HEAD_DIM, BLOCK_M, IS_BF16, elem_t, VECTOR_RED, DQ_PARTS, DQ_SWIZZLED, PREP_THREADS,
 // DQ_THREADS }.
 
@@ -554,6 +567,55 @@ __device__ __forceinline__ void convert_dq(const Params& p) {
     out.z = pack2<IS_BF16>(b.x, b.y);
     out.w = pack2<IS_BF16>(b.z, b.w);
     *reinterpret_cast<uint4*>(p.dq + batch * p.dq_sb + (i64)row * p.dq_ss + head * p.dq_sh + col) = out;
+}
+
+// -- learnable inputs (attngen/families/bwd_shared.py): one float per (input, batch, head, key block) --
+constexpr int IG = score::INPUT_GRADS;
+constexpr int IG_REGS = IG > 0 ? IG : 1;
+
+__device__ __forceinline__ float* input_grad_slot(const Params& p, int n, int batch, int head) {
+    // The main kernels' grid: y key blocks, z batches.
+    return p.igrad + (((i64)n * gridDim.z + batch) * p.Hq + head) * gridDim.y + blockIdx.y;
+}
+
+// Zeros for every head of the CTA's GQA group (a head none of whose blocks the CTA sees keeps them);
+// thread 0 alone writes the slots, so its later stores land after these.
+template <int GROUP>
+__device__ __forceinline__ void init_input_grads(const Params& p, int kv_head, int batch) {
+    if constexpr (IG > 0) {
+        if (threadIdx.x == 0)
+#pragma unroll 1
+            for (int n = 0; n < IG; ++n)
+                for (int g = 0; g < GROUP; ++g) *input_grad_slot(p, n, batch, kv_head * GROUP + g) = 0.f;
+    }
+}
+
+// The CTA's sums for one head: each thread's, then each warp's (shuffles), then thread 0 adds the
+// warps' in warp order and stores them: a fixed order, so the gradient is deterministic. Every
+// thread of the CTA calls it (it synchronises the CTA); acc is zeroed for the next head.
+template <int WARPS>
+__device__ __forceinline__ void store_input_grads(float (&acc)[IG_REGS], const Params& p, int batch, int head) {
+    if constexpr (IG > 0) {
+        __shared__ float warp_sums[IG][WARPS];
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+        for (int n = 0; n < IG; ++n) {
+            float v = acc[n];
+#pragma unroll
+            for (int s = 16; s > 0; s /= 2) v += __shfl_xor_sync(0xffffffffu, v, s);
+            if (lane == 0) warp_sums[n][warp] = v;
+            acc[n] = 0.f;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0)
+#pragma unroll 1
+            for (int n = 0; n < IG; ++n) {
+                float sum = 0.f;
+                for (int w = 0; w < WARPS; ++w) sum += warp_sums[n][w];
+                *input_grad_slot(p, n, batch, head) = sum;
+            }
+        __syncthreads();  // warp_sums is free for the next head
+    }
 }
 
 }  // namespace bwd_rows
@@ -699,11 +761,12 @@ struct Item {
 // visible, so every element asks the mask; otherwise only the tensors' bounds (compiled apart: the
 // per-element mask in the common path costs a third of the backward's time).
 // Accumulator element i: key +8 when bit 1 of i is set, query column 8 (i / 4) + 2 t + (i % 2).
+// With learnable inputs (bwd_rows::IG > 0), ig gathers dL/d modified score * d modified / d input.
 template <bool MASKED>
 __device__ __forceinline__ void to_operands(u32 (&pf)[PK][4], u32 (&dsf)[PK][4], const float (&s)[S_REGS],
                                             const float (&dp)[S_REGS], const float* lse2_rows,
                                             const float* delta_rows, const Item& item, int key_lo, int batch,
-                                            const Params& p) {
+                                            const Params& p, float (&ig)[bwd_rows::IG_REGS]) {
     const int t = threadIdx.x % 4;
 #pragma unroll
     for (int kk = 0; kk < PK; ++kk)
@@ -732,6 +795,14 @@ __device__ __forceinline__ void to_operands(u32 (&pf)[PK][4], u32 (&dsf)[PK][4],
                 const bool shown = MASKED ? in && mask::visible(q, k, p.Sq, p.Sk, batch, item.head, p) : in;
                 pv[e] = shown ? fast_exp2(x - lse2_rows[col]) : 0.f;
                 dsv[e] = shown ? pv[e] * (dp[i] - delta_rows[col]) * grad * p.scale : 0.f;
+                if constexpr (bwd_rows::IG > 0) {
+                    if (shown) {
+                        float dm[bwd_rows::IG_REGS];
+                        score::modify_input_grads(s[i] * p.scale, q, k, p.Sq, p.Sk, batch, item.head, p, dm);
+#pragma unroll
+                        for (int n = 0; n < bwd_rows::IG; ++n) ig[n] += pv[e] * (dp[i] - delta_rows[col]) * dm[n];
+                    }
+                }
             }
             pf[kk][j] = pack2<IS_BF16>(pv[0], pv[1]);
             dsf[kk][j] = pack2<IS_BF16>(dsv[0], dsv[1]);
@@ -814,6 +885,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const Params& p) {
         return p.dq_acc + (((i64)batch * p.Hq + done.head) * p.Sq_pad + done.m0) * HEAD_DIM;
     };
 
+    // Learnable inputs' gradient sums (attngen/families/bwd_shared.py): per thread for the current head.
+    float ig[bwd_rows::IG_REGS] = {};
+    int ig_head = -1;
+    bwd_rows::init_input_grads<GQA_RATIO>(p, kv_head, batch);
+
     int cur = next_visible(0);
     if (cur < items) load_item(cur, 0);
     int stage = 0, n_done = 0;  // blocks finished; block n's dS^T is in buffer n % 2
@@ -822,6 +898,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const Params& p) {
     while (cur < items) {
         bool unused;
         const Item item = item_at(cur, unused);
+        if constexpr (bwd_rows::IG > 0) {
+            if (ig_head >= 0 && item.head != ig_head) bwd_rows::store_input_grads<THREADS / 32>(ig, p, batch, ig_head);
+            ig_head = item.head;
+        }
         const int next = next_visible(cur + 1);
         cp_async_wait<0>();
         fence_async_smem();  // cp.async wrote through the generic proxy; wgmma reads through the async one
@@ -860,9 +940,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const Params& p) {
 
         u32 pf[PK][4], dsf[PK][4];
         if (item.full) {
-            to_operands<false>(pf, dsf, s, dp, lse2_rows, delta_rows, item, key_lo, batch, p);
+            to_operands<false>(pf, dsf, s, dp, lse2_rows, delta_rows, item, key_lo, batch, p, ig);
         } else {
-            to_operands<true>(pf, dsf, s, dp, lse2_rows, delta_rows, item, key_lo, batch, p);
+            to_operands<true>(pf, dsf, s, dp, lse2_rows, delta_rows, item, key_lo, batch, p, ig);
         }
 
         if constexpr (!DQ_EARLY) issue_dq(dq, sDS0 + ((n_done - 1) & 1) * DS_BYTES, k_cols);
@@ -908,6 +988,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const Params& p) {
         prev = item;
         ++n_done;
         cur = next;
+    }
+    if constexpr (bwd_rows::IG > 0) {
+        if (ig_head >= 0) bwd_rows::store_input_grads<THREADS / 32>(ig, p, batch, ig_head);
     }
     if (n_done > 0) {  // the last block's dQ
         __syncthreads();  // both warpgroups' dS^T are in

@@ -184,7 +184,8 @@ def test_a_prepared_empty_call_gives_zeros_and_packs_nothing():
     prepared = PreparedBackward(None, call)
     q = torch.empty(q_shape, dtype=torch.bfloat16)
     k = torch.full(k_shape, float("nan"), dtype=torch.bfloat16)
-    dq, dk, dv = prepared.run_torch(torch, q, q, k, k, q, torch.empty(2, 8, 0), None, (), 0)
+    dq, dk, dv, head_sums = prepared.run_torch(torch, q, q, k, k, q, torch.empty(2, 8, 0), None, (), 0)
+    assert head_sums.shape == (0, 8)
     assert dq.shape == q_shape and dk.shape == dv.shape == k_shape and dk.dtype == torch.bfloat16
     assert not dk.any() and not dv.any()
 
@@ -240,7 +241,8 @@ def test_fake_backward_gives_the_gradients_shapes_and_dtypes(dlse):
         a = fake_call(dtype=torch.float16, dlse=dlse)
         # A transposed (BHSD-stored) q: its gradient is still contiguous.
         a["q"] = torch.empty(2, 8, 100, 64, dtype=torch.float16, device="cuda").transpose(1, 2)
-        dq, dk, dv = run_fake(a, AttentionSpec(head_dim=64, gqa_ratio=4, dtype="fp16"))
+        dq, dk, dv, head_sums = run_fake(a, AttentionSpec(head_dim=64, gqa_ratio=4, dtype="fp16"))
+        assert head_sums.shape == (0, 8) and head_sums.dtype == torch.float32  # no learnable inputs
         assert dq.shape == (2, 100, 8, 64) and dq.dtype == torch.float16 and dq.is_contiguous()
         assert dk.shape == dv.shape == (2, 50, 2, 64) and dk.dtype == dv.dtype == torch.float16
         assert dq.device == dk.device == a["q"].device
@@ -266,7 +268,7 @@ def test_fake_backward_checks_the_runtime_inputs():
     with FakeTensorMode():
         a = fake_call()
         sinks = torch.empty(8, device="cuda")
-        dq, _, _ = run_fake(a, spec, None, ["sinks"], [sinks])
+        dq, *_ = run_fake(a, spec, None, ["sinks"], [sinks])
         assert dq.shape == a["q"].shape
         with pytest.raises(ValueError, match="reads input 'sinks'"):
             run_fake(a, spec)
@@ -301,7 +303,8 @@ def dense_backward(dout, q, k, v, out, lse, dlse, spec_key, softmax_scale, input
     dq = (ds @ kh * scale).permute(0, 2, 1, 3)
     dk = (ds.transpose(-1, -2) @ qh * scale).reshape(B, Hq // r, r, Sk, D).sum(2).permute(0, 2, 1, 3)
     dv = (p.transpose(-1, -2) @ doh).reshape(B, Hq // r, r, Sk, D).sum(2).permute(0, 2, 1, 3)
-    return tuple(t.to(x.dtype).contiguous() for t, x in ((dq, q), (dk, k), (dv, v)))
+    head_sums = torch.zeros((0, Hq), dtype=torch.float32)  # no score modifier: no learnable inputs
+    return (*(t.to(x.dtype).contiguous() for t, x in ((dq, q), (dk, k), (dv, v))), head_sums)
 
 
 @pytest.fixture
@@ -399,24 +402,38 @@ def test_a_sink_row_with_lse_minus_infinity_gives_no_gradient():
     assert grads["sinks"].shape == (1,) and torch.isfinite(grads["sinks"]).all()
 
 
-def test_inputs_of_a_score_modifier_cannot_require_grad(dense_ops):
+def test_inputs_of_a_score_modifier_not_read_at_h_alone_cannot_require_grad(dense_ops):
     q, k, v = leaves()
-    bias = torch.zeros(4, requires_grad=True)
-    for spec, names in ((AttentionSpec(head_dim=64, gqa_ratio=2, score_mod="score + bias[h]"), ["bias"]),
+    bias = torch.zeros(7, requires_grad=True)
+    for spec, names in ((AttentionSpec(head_dim=64, gqa_ratio=2, score_mod="score + bias[kv_idx]"), ["bias"]),
+                        (AttentionSpec(head_dim=64, gqa_ratio=2, score_mod="score + bias[h] * bias[kv_idx]"), ["bias"]),
                         (AttentionSpec(head_dim=64, gqa_ratio=2, score_mod="score + t[h]", sink="t[h]"), ["t"])):
         with pytest.raises(ValueError, match=rf"inputs\['{names[0]}'\] requires grad, but gradients of runtime "
-                                             "inputs are only supported for the sink"):
+                                             "inputs are only supported for those the sink alone reads"):
             torch.ops.attngen.forward(q, k, v, spec.key(), None, names, [bias])
     assert not dense_ops
 
 
+def test_learnable_inputs_are_the_modifiers_float_inputs_read_at_h_alone():
+    from attngen.families.bwd_shared import learnable_inputs
+
+    def names(**kw):
+        return learnable_inputs(AttentionSpec(head_dim=64, **kw).problem)
+
+    assert names(score_mod="score - slope[h] * abs(q_idx - kv_idx)") == ("slope",)
+    assert names(score_mod="score + a[h] + w[q_idx] + c[h] * c[h]") == ("a", "c")
+    assert names(score_mod="score + t[h]", sink="t[h]") == ()  # the sink's: torch gives those
+    assert names(score_mod="softcap(30.0)") == () and names() == ()
+
+
 def test_attention_refuses_a_score_modifier_input_that_requires_grad_before_running():
     q = torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"inputs\['bias'\] requires grad.*only supported for the sink.*detach"):
-        attngen.attention(q, q, q, score_mod="score + bias[h]", inputs={"bias": torch.zeros(2, requires_grad=True)})
+    with pytest.raises(ValueError, match=r"inputs\['bias'\] requires grad.*only supported for those the sink.*detach"):
+        attngen.attention(q, q, q, score_mod="score + bias[q_idx]", inputs={"bias": torch.zeros(4, requires_grad=True)})
     with torch.no_grad():  # no gradient wanted: the usual checks
         with pytest.raises(ValueError, match="q must be a CUDA tensor"):
-            attngen.attention(q, q, q, score_mod="score + bias[h]", inputs={"bias": torch.zeros(2, requires_grad=True)})
+            attngen.attention(q, q, q, score_mod="score + bias[q_idx]",
+                              inputs={"bias": torch.zeros(4, requires_grad=True)})
 
 
 def test_attention_with_grad_reaches_the_kernel_checks():

@@ -1,7 +1,9 @@
 // ---- bwd_rows.cuh: the per-row kernels every backward family runs around its main kernel ----
 // prep (D, the LSE in log2, the dQ accumulator zeroed) and convert_dq (the fp32 accumulator to dQ),
 // and add_dq, which main kernels use to add an m16 x n8 accumulator tile to the accumulator.
-// attngen/families/bwd_shared.py launches them. Needs, from the rendered template: struct BwdParams
+// attngen/families/bwd_shared.py launches them. Also the learnable inputs' per-CTA gradient sums
+// (init_input_grads, store_input_grads). Needs, from the rendered template: struct BwdParams,
+// score::INPUT_GRADS (attngen/cuda/score_mod.cuh.j2)
 // and namespace cfg { HEAD_DIM, BLOCK_M, IS_BF16, elem_t, VECTOR_RED, DQ_PARTS, DQ_SWIZZLED, PREP_THREADS,
 // DQ_THREADS }.
 
@@ -110,6 +112,55 @@ __device__ __forceinline__ void convert_dq(const Params& p) {
     out.z = pack2<IS_BF16>(b.x, b.y);
     out.w = pack2<IS_BF16>(b.z, b.w);
     *reinterpret_cast<uint4*>(p.dq + batch * p.dq_sb + (i64)row * p.dq_ss + head * p.dq_sh + col) = out;
+}
+
+// -- learnable inputs (attngen/families/bwd_shared.py): one float per (input, batch, head, key block) --
+constexpr int IG = score::INPUT_GRADS;
+constexpr int IG_REGS = IG > 0 ? IG : 1;
+
+__device__ __forceinline__ float* input_grad_slot(const Params& p, int n, int batch, int head) {
+    // The main kernels' grid: y key blocks, z batches.
+    return p.igrad + (((i64)n * gridDim.z + batch) * p.Hq + head) * gridDim.y + blockIdx.y;
+}
+
+// Zeros for every head of the CTA's GQA group (a head none of whose blocks the CTA sees keeps them);
+// thread 0 alone writes the slots, so its later stores land after these.
+template <int GROUP>
+__device__ __forceinline__ void init_input_grads(const Params& p, int kv_head, int batch) {
+    if constexpr (IG > 0) {
+        if (threadIdx.x == 0)
+#pragma unroll 1
+            for (int n = 0; n < IG; ++n)
+                for (int g = 0; g < GROUP; ++g) *input_grad_slot(p, n, batch, kv_head * GROUP + g) = 0.f;
+    }
+}
+
+// The CTA's sums for one head: each thread's, then each warp's (shuffles), then thread 0 adds the
+// warps' in warp order and stores them: a fixed order, so the gradient is deterministic. Every
+// thread of the CTA calls it (it synchronises the CTA); acc is zeroed for the next head.
+template <int WARPS>
+__device__ __forceinline__ void store_input_grads(float (&acc)[IG_REGS], const Params& p, int batch, int head) {
+    if constexpr (IG > 0) {
+        __shared__ float warp_sums[IG][WARPS];
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+        for (int n = 0; n < IG; ++n) {
+            float v = acc[n];
+#pragma unroll
+            for (int s = 16; s > 0; s /= 2) v += __shfl_xor_sync(0xffffffffu, v, s);
+            if (lane == 0) warp_sums[n][warp] = v;
+            acc[n] = 0.f;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0)
+#pragma unroll 1
+            for (int n = 0; n < IG; ++n) {
+                float sum = 0.f;
+                for (int w = 0; w < WARPS; ++w) sum += warp_sums[n][w];
+                *input_grad_slot(p, n, batch, head) = sum;
+            }
+        __syncthreads();  // warp_sums is free for the next head
+    }
 }
 
 }  // namespace bwd_rows

@@ -8,6 +8,11 @@ A backward call runs, after the mask's table kernels (attngen/mask_table.py):
   main   the family's own kernel: dK, dV, and dQ added to the fp32 accumulator;
   dq     the accumulator converted to dQ's dtype and layout.
 
+Runtime inputs of the score modifier that it reads at `[h]` alone (a learned per-head bias, ALiBi
+slopes: `learnable_inputs`) get gradients: the main kernel sums dL/dmodified * d modifier / d input
+over each CTA's elements of a head, in a fixed order, into one float per (input, batch, head, key
+block) of the workspace, which the runtime sums over batches and key blocks (attngen/runtime/backward.py).
+
 The row kernels live in attngen/cuda/bwd_rows.cuh; a family's template renders them beside its main
 kernel from the same argument list.
 """
@@ -28,9 +33,40 @@ ALIGN = 256  # bytes: each workspace array starts at a multiple
 MAX_GRID_Y = 65535  # main kernels put key blocks on the grid's y
 
 
+def learnable_inputs(problem) -> tuple[str, ...]:
+    """The float runtime inputs the backward gives gradients of: read by the score modifier, every
+    read at index [h] (one value per query head), and not read by the sink (whose inputs get theirs
+    in torch, attngen/api.py sink_grads). Sorted by name."""
+    from attngen.maskc.ir import Input, Var, walk
+    from attngen.score_mods import get_score_mod
+
+    if problem.score_mod is None:
+        return ()
+    reads: dict[str, bool] = {}
+    for n in walk(get_score_mod(problem.score_mod).program.ir):
+        if isinstance(n, Input):
+            at_h = len(n.index) == 1 and isinstance(n.index[0], Var) and n.index[0].name == "h"
+            reads[n.name] = reads.get(n.name, True) and at_h
+    sink_reads = set() if problem.sink is None else {n for n, _ in get_score_mod(problem.sink).program.inputs}
+    return tuple(sorted(name for name, at_h in reads.items() if at_h and name not in sink_reads))
+
+
 @dataclass(frozen=True, kw_only=True)
 class BackwardPlan(ForwardPlan):
-    """A backward family's plan: the forward's fields and the score modifier's derivative."""
+    """A backward family's plan: the forward's fields and the score modifier's derivatives."""
+
+    @property
+    def input_grads(self) -> tuple:
+        """(name, d score_mod / d inputs[name][h] lowered like a score modifier) per learnable input."""
+        from attngen.runtime_inputs import input_ref
+        from attngen.score_mods import ScoreModLowering
+
+        lowered = []
+        for name in learnable_inputs(self.problem):
+            program = self.score_mod.program.input_derivative(name)
+            lowered.append((name, ScoreModLowering(program.canonical, program.slug, program.cuda_expr(input_ref), "",
+                                                   program)))
+        return tuple(lowered)
 
     @property
     def score_mod_grad(self):
@@ -53,6 +89,8 @@ class Workspace:
     delta: int  # (B, Hq, Sq_pad) fp32
     sq_pad: int  # Sq rounded up to block_m: the main kernel reads whole query blocks
     total: int
+    igrad: int = 0  # (learnable inputs, B, Hq, key blocks) fp32: per-CTA sums of the inputs' gradients
+    key_blocks: int = 0
 
     @classmethod
     def of(cls, plan: ForwardPlan, call: BackwardCall) -> "Workspace":
@@ -62,7 +100,10 @@ class Workspace:
         dq_acc = _aligned(table)
         lse2 = dq_acc + _aligned(rows * call.q.shape[3] * 4)
         delta = lse2 + _aligned(rows * 4)
-        return cls(dq_acc, lse2, delta, sq_pad, delta + _aligned(rows * 4))
+        igrad = delta + _aligned(rows * 4)
+        key_blocks = -(-call.seq_k // plan.block_n)
+        sums = len(learnable_inputs(plan.problem)) * call.batch * call.heads_q * key_blocks
+        return cls(dq_acc, lse2, delta, sq_pad, igrad + _aligned(sums * 4), igrad, key_blocks)
 
 
 @dataclass(frozen=True)
@@ -99,6 +140,8 @@ ARGUMENTS = Abi("BwdParams", [
           "(B, Hq, Sq_pad) LSE * log2(e), +inf for rows with no visible key (workspace)"),
     Param("delta", "float*", "ptr", lambda a: a.call.workspace + a.workspace.delta,
           "(B, Hq, Sq_pad) rowsum(dO * O) - dLSE (workspace)"),
+    Param("igrad", "float*", "ptr", lambda a: a.call.workspace + a.workspace.igrad,
+          "(learnable inputs, B, Hq, key blocks) per-CTA sums of their gradients (workspace)"),
     Param("Sq", "int", "i32", lambda a: a.call.seq_q),
     Param("Sk", "int", "i32", lambda a: a.call.seq_k),
     Param("Hq", "int", "i32", lambda a: a.call.heads_q),

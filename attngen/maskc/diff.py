@@ -1,8 +1,10 @@
-"""d/d(score) of a score modifier, symbolically, as IR of the same language.
+"""d/d(score) of a score modifier, symbolically, as IR of the same language; and d/d(input) for a
+float runtime input it reads (a learned bias, ALiBi slopes).
 
-The backward kernel needs the derivative of the modified score with respect to the raw score; it
-is built here from the IR with the usual rules (product, quotient, chain) and then lowered like
-any score modifier. Comparisons and integer parts are piecewise constant in score, so they
+The backward kernel needs the derivative of the modified score with respect to the raw score, and
+for a runtime input that requires grad, with respect to that input's value at the element; both are
+built here from the IR with the usual rules (product, quotient, chain) and then lowered like any
+score modifier. Comparisons and integer parts are piecewise constant in score, so they
 differentiate to zero, and where(c, a, b) differentiates to where(c, a', b').
 
 A derivative is carried as (expression, exact rational scale): constant factors such as the c and
@@ -16,15 +18,26 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from attngen.maskc.ir import Const, Node, Op, Type, const, depends_on, make
+from attngen.maskc.ir import Const, Input, Node, Op, Type, Var, const, make, walk
 
 ONE = const(1.0)
 ZERO = (None, Fraction(0))  # (expression, scale): the derivative is scale * expression; None is zero
 
 
-def derivative(node: Node) -> Node:
-    """d(node)/d(score) as a float node."""
-    return _materialize(_d(node))
+def derivative(node: Node, wrt: str | None = None) -> Node:
+    """d(node)/d(score) as a float node; with `wrt`, d(node)/d(inputs[wrt][...]) at the element: every
+    read of that input is the variable (callers make sure all reads are at one index)."""
+    return _materialize(_d(node, wrt))
+
+
+def _is_variable(node: Node, wrt: str | None) -> bool:
+    if wrt is None:
+        return isinstance(node, Var) and node.name == "score"
+    return isinstance(node, Input) and node.name == wrt and node.type is Type.FLOAT
+
+
+def _depends(node: Node, wrt: str | None) -> bool:
+    return any(_is_variable(n, wrt) for n in walk(node))
 
 
 def _materialize(d) -> Node:
@@ -79,35 +92,35 @@ def _select(cond: Node, da, db):
     return make("where", cond, _materialize(da), _materialize(db)), Fraction(1)
 
 
-def _d(node: Node):
-    if node.type is not Type.FLOAT or not depends_on(node, "score"):
+def _d(node: Node, wrt: str | None = None):
+    if node.type is not Type.FLOAT or not _depends(node, wrt):
         return ZERO
     if not isinstance(node, Op):
-        return ONE, Fraction(1)  # the variable score itself
+        return ONE, Fraction(1)  # the variable itself
     op, args = node.op, node.args
     if op in ("add", "sub"):
-        return _sum(_d(args[0]), _d(args[1]), 1 if op == "add" else -1)
+        return _sum(_d(args[0], wrt), _d(args[1], wrt), 1 if op == "add" else -1)
     if op == "neg":
-        e, s = _d(args[0])
+        e, s = _d(args[0], wrt)
         return e, -s
     if op == "mul":
-        return _sum(_product_part(args[0], args[1]), _product_part(args[1], args[0]), 1)
+        return _sum(_product_part(args[0], args[1], wrt), _product_part(args[1], args[0], wrt), 1)
     if op == "truediv":
         a, b = args
-        e, s = _d(a)
+        e, s = _d(a, wrt)
         part_a = ZERO
         if e is not None:
             part_a = (e, s / Fraction(b.value)) if isinstance(b, Const) and b.value != 0 else (_divided(e, b), s)
-        e, s = _d(b)
+        e, s = _d(b, wrt)
         part_b = ZERO if e is None else (_divided(_times(e, a), make("mul", b, b)), -s)
         return _sum(part_a, part_b, 1)
     if op in ("min", "max"):
         first, rest = args[0], (args[1] if len(args) == 2 else make(op, *args[1:]))
         cond = make("le" if op == "min" else "ge", first, rest)
-        return _select(cond, _d(first), _d(rest))
+        return _select(cond, _d(first, wrt), _d(rest, wrt))
     if op == "where":
-        return _select(args[0], _d(args[1]), _d(args[2]))
-    inner, s = _d(args[0])
+        return _select(args[0], _d(args[1], wrt), _d(args[2], wrt))
+    inner, s = _d(args[0], wrt)
     if inner is None:
         return ZERO
     u = args[0]
@@ -126,9 +139,9 @@ def _d(node: Node):
     raise ValueError(f"no derivative rule for op {op!r}")
 
 
-def _product_part(factor: Node, other: Node):
+def _product_part(factor: Node, other: Node, wrt: str | None):
     """The term d(factor) * other of the product rule."""
-    e, s = _d(factor)
+    e, s = _d(factor, wrt)
     if e is None:
         return ZERO
     if isinstance(other, Const):

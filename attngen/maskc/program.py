@@ -88,6 +88,11 @@ class ScoreModProgram:
         """d(modifier)/d(score), simplified; its slug is "d_" + this slug where that fits."""
         return _derivative_program(self)
 
+    def input_derivative(self, name: str) -> ScoreModProgram:
+        """d(modifier)/d(inputs[name] at the element's index), for an input every read of which is at
+        one index (attngen/families/bwd_shared.py learnable_inputs)."""
+        return _derivative_program(self, name)
+
 
 def program_inputs(node: Node) -> tuple:
     return tuple(sorted({(n.name, len(n.index)) for n in walk(node) if isinstance(n, Input)}))
@@ -127,10 +132,10 @@ def compile_score_mod(text: str) -> ScoreModProgram:
 
 
 @functools.lru_cache(maxsize=512)
-def _derivative_program(program: ScoreModProgram) -> ScoreModProgram:
-    node = derivative(program.ir)
+def _derivative_program(program: ScoreModProgram, wrt: str | None = None) -> ScoreModProgram:
+    node = derivative(program.ir, wrt)
     canonical = to_text(node)
-    slug = "d_" + program.slug
+    slug = ("d_" if wrt is None else f"d_{wrt}_") + program.slug
     if len(slug) > SLUG_MAX_CHARS:
         slug = make_slug(None, canonical)
     return ScoreModProgram(canonical, slug, node, program_inputs(node))

@@ -16,6 +16,7 @@ import threading
 
 from attngen import families, targets
 from attngen.families.base import BackwardCall, problem_inputs, problem_programs
+from attngen.families.bwd_shared import Workspace, learnable_inputs
 from attngen.runtime import checks
 from attngen.runtime.dispatch import describe_inputs, describe_rng, kernel_for
 from attngen.runtime.tensors import TensorInfo, current_stream, describe, new_like
@@ -185,18 +186,32 @@ class PreparedBackward:
 
     FIELDS = ("dout", "q", "k", "v", "out", "lse", "dlse", "dq", "dk", "dv")
 
-    def __init__(self, kernel, call: BackwardCall):
+    def __init__(self, kernel, call: BackwardCall, learnable: int = 0):
         self.kernel = kernel  # None: an empty call, nothing to launch
         self.template = call
         self.workspace_bytes = 0 if kernel is None else kernel.workspace_bytes(call)
         self._bound: dict[tuple, tuple] = {}
+        # The learnable inputs' per-CTA gradient sums (attngen/families/bwd_shared.py): where in the workspace.
+        self.learnable = learnable
+        self.sums = None if kernel is None or not learnable else Workspace.of(kernel.plan, call)
+
+    def head_sums(self, torch, workspace, device):
+        """(learnable inputs, Hq) float32: each input's gradient per query head, the kernels' per-CTA sums
+        added over batches and key blocks (a fixed-order reduction: deterministic)."""
+        t = self.template
+        if self.sums is None:
+            return torch.zeros((self.learnable, t.heads_q), dtype=torch.float32, device=device)
+        n, ws = self.learnable, self.sums
+        count = n * t.batch * t.heads_q * ws.key_blocks
+        sums = workspace[ws.igrad:ws.igrad + 4 * count].view(torch.float32).view(n, t.batch, t.heads_q, ws.key_blocks)
+        return sums.sum(dim=(1, 3))
 
     def run_torch(self, torch, dout, q, k, v, out, lse, dlse, inputs: tuple, stream: int, rng=None):
         t = self.template
         if self.kernel is None:
             return (torch.zeros(t.dq.shape, dtype=q.dtype, device=q.device),
                     torch.zeros(t.dk.shape, dtype=k.dtype, device=q.device),
-                    torch.zeros(t.dv.shape, dtype=k.dtype, device=q.device))
+                    torch.zeros(t.dv.shape, dtype=k.dtype, device=q.device), self.head_sums(torch, None, q.device))
         dq = torch.empty(t.dq.shape, dtype=q.dtype, device=q.device)
         dk = torch.empty(t.dk.shape, dtype=k.dtype, device=q.device)
         dv = torch.empty(t.dv.shape, dtype=k.dtype, device=q.device)
@@ -212,7 +227,7 @@ class PreparedBackward:
                 self._bound.clear()
             bound = self._bound[ptrs] = self.kernel.bind(self._at(ptrs))
         self.kernel.launch_bound(bound, stream)
-        return dq, dk, dv
+        return dq, dk, dv, self.head_sums(torch, workspace, q.device)
 
     def _at(self, ptrs: tuple) -> BackwardCall:
         """The template call at these addresses (FIELDS, the workspace, then the runtime inputs by name,
@@ -239,7 +254,8 @@ def _torch_layout(t) -> tuple:
 def backward_torch(torch, dout, q, k, v, out, lse, dlse, spec: AttentionSpec, softmax_scale, names: list,
                    tensors: list, rng=None):
     """backward() for plain torch tensors, through a PreparedBackward per layout (16-byte aligned
-    pointers: those are all the skipped checks depend on besides the layout)."""
+    pointers: those are all the skipped checks depend on besides the layout): (dq, dk, dv, head sums),
+    the last (learnable inputs, Hq) float32, the gradient of each learnable input per query head."""
     from attngen.runtime.tensors import torch_stream
 
     key = (spec, softmax_scale, *(_torch_layout(t) for t in (dout, q, k, v, out, lse, dlse, rng)),
@@ -249,7 +265,7 @@ def backward_torch(torch, dout, q, k, v, out, lse, dlse, spec: AttentionSpec, so
             or (rng is not None and rng.data_ptr() % 8):
         kernel, call = _checked(dout, q, k, v, out, lse, spec, softmax_scale, dict(zip(names, tensors)) or None,
                                 dlse, None, None, None, rng)
-        prepared = PreparedBackward(kernel, call)
+        prepared = PreparedBackward(kernel, call, len(learnable_inputs(spec.problem)))
         if len(_prepared) >= MAX_PREPARED:
             _prepared.clear()
         _prepared[key] = prepared

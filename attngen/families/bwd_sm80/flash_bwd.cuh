@@ -163,6 +163,11 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) dk_acc[mt][dt][i] = dv_acc[mt][dt][i] = 0.f;
 
+    // Learnable inputs' gradient sums (attngen/families/bwd_shared.py): per thread for the current head.
+    float ig[bwd_rows::IG_REGS] = {};
+    int ig_head = -1;
+    bwd_rows::init_input_grads<GQA_RATIO>(p, kv_head, batch);
+
     int cur = next_visible(0);
     if (cur < items) load_item(cur, 0);
     int stage = 0;
@@ -170,6 +175,10 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
     while (cur < items) {
         bool unused;
         const Item item = item_at(cur, unused);
+        if constexpr (bwd_rows::IG > 0) {
+            if (ig_head >= 0 && item.head != ig_head) bwd_rows::store_input_grads<NUM_WARPS>(ig, p, batch, ig_head);
+            ig_head = item.head;
+        }
         const int next = next_visible(cur + 1);
         cp_async_wait<0>();
         __syncthreads();  // this block's Q/dO landed; every warp is done with the previous block
@@ -264,6 +273,15 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
                         pv[i] = pr;
 #endif
                         dsv[i] = shown ? pr * (dp - delta) * grad * p.scale : 0.f;
+                        if constexpr (bwd_rows::IG > 0) {  // dL/d modified score times d modified / d input
+                            if (shown) {
+                                float dm[bwd_rows::IG_REGS];
+                                score::modify_input_grads(s_acc[mt][nt][i] * p.scale, q, k, Sq, Sk, batch, item.head,
+                                                          p, dm);
+#pragma unroll
+                                for (int n = 0; n < bwd_rows::IG; ++n) ig[n] += pr * (dp - delta) * dm[n];
+                            }
+                        }
                     }
                     const int kk = nt / 2, half = nt % 2;
                     p_frag[mt][kk][2 * half] = pack2<IS_BF16>(pv[0], pv[1]);
@@ -354,6 +372,9 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
             stage ^= 1;
         }
         cur = next;
+    }
+    if constexpr (bwd_rows::IG > 0) {
+        if (ig_head >= 0) bwd_rows::store_input_grads<NUM_WARPS>(ig, p, batch, ig_head);
     }
 
     // Epilogue: dK and dV through this warp's own K and V rows in shared memory, so global stores

@@ -138,11 +138,12 @@ struct Item {
 // visible, so every element asks the mask; otherwise only the tensors' bounds (compiled apart: the
 // per-element mask in the common path costs a third of the backward's time).
 // Accumulator element i: key +8 when bit 1 of i is set, query column 8 (i / 4) + 2 t + (i % 2).
+// With learnable inputs (bwd_rows::IG > 0), ig gathers dL/d modified score * d modified / d input.
 template <bool MASKED>
 __device__ __forceinline__ void to_operands(u32 (&pf)[PK][4], u32 (&dsf)[PK][4], const float (&s)[S_REGS],
                                             const float (&dp)[S_REGS], const float* lse2_rows,
                                             const float* delta_rows, const Item& item, int key_lo, int batch,
-                                            const Params& p) {
+                                            const Params& p, float (&ig)[bwd_rows::IG_REGS]) {
     const int t = threadIdx.x % 4;
 #pragma unroll
     for (int kk = 0; kk < PK; ++kk)
@@ -171,6 +172,14 @@ __device__ __forceinline__ void to_operands(u32 (&pf)[PK][4], u32 (&dsf)[PK][4],
                 const bool shown = MASKED ? in && mask::visible(q, k, p.Sq, p.Sk, batch, item.head, p) : in;
                 pv[e] = shown ? fast_exp2(x - lse2_rows[col]) : 0.f;
                 dsv[e] = shown ? pv[e] * (dp[i] - delta_rows[col]) * grad * p.scale : 0.f;
+                if constexpr (bwd_rows::IG > 0) {
+                    if (shown) {
+                        float dm[bwd_rows::IG_REGS];
+                        score::modify_input_grads(s[i] * p.scale, q, k, p.Sq, p.Sk, batch, item.head, p, dm);
+#pragma unroll
+                        for (int n = 0; n < bwd_rows::IG; ++n) ig[n] += pv[e] * (dp[i] - delta_rows[col]) * dm[n];
+                    }
+                }
             }
             pf[kk][j] = pack2<IS_BF16>(pv[0], pv[1]);
             dsf[kk][j] = pack2<IS_BF16>(dsv[0], dsv[1]);
@@ -253,6 +262,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const Params& p) {
         return p.dq_acc + (((i64)batch * p.Hq + done.head) * p.Sq_pad + done.m0) * HEAD_DIM;
     };
 
+    // Learnable inputs' gradient sums (attngen/families/bwd_shared.py): per thread for the current head.
+    float ig[bwd_rows::IG_REGS] = {};
+    int ig_head = -1;
+    bwd_rows::init_input_grads<GQA_RATIO>(p, kv_head, batch);
+
     int cur = next_visible(0);
     if (cur < items) load_item(cur, 0);
     int stage = 0, n_done = 0;  // blocks finished; block n's dS^T is in buffer n % 2
@@ -261,6 +275,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const Params& p) {
     while (cur < items) {
         bool unused;
         const Item item = item_at(cur, unused);
+        if constexpr (bwd_rows::IG > 0) {
+            if (ig_head >= 0 && item.head != ig_head) bwd_rows::store_input_grads<THREADS / 32>(ig, p, batch, ig_head);
+            ig_head = item.head;
+        }
         const int next = next_visible(cur + 1);
         cp_async_wait<0>();
         fence_async_smem();  // cp.async wrote through the generic proxy; wgmma reads through the async one
@@ -299,9 +317,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const Params& p) {
 
         u32 pf[PK][4], dsf[PK][4];
         if (item.full) {
-            to_operands<false>(pf, dsf, s, dp, lse2_rows, delta_rows, item, key_lo, batch, p);
+            to_operands<false>(pf, dsf, s, dp, lse2_rows, delta_rows, item, key_lo, batch, p, ig);
         } else {
-            to_operands<true>(pf, dsf, s, dp, lse2_rows, delta_rows, item, key_lo, batch, p);
+            to_operands<true>(pf, dsf, s, dp, lse2_rows, delta_rows, item, key_lo, batch, p, ig);
         }
 
         if constexpr (!DQ_EARLY) issue_dq(dq, sDS0 + ((n_done - 1) & 1) * DS_BYTES, k_cols);
@@ -347,6 +365,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const Params& p) {
         prev = item;
         ++n_done;
         cur = next;
+    }
+    if constexpr (bwd_rows::IG > 0) {
+        if (ig_head >= 0) bwd_rows::store_input_grads<THREADS / 32>(ig, p, batch, ig_head);
     }
     if (n_done > 0) {  // the last block's dQ
         __syncthreads();  // both warpgroups' dS^T are in
