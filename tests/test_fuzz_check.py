@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import replace
 
@@ -12,7 +11,6 @@ import torch
 from attngen import reference, tolerance
 from attngen.errors import is_sticky_cuda_error
 from attngen.families import plan_spec
-from attngen.fuzz import check
 from attngen.fuzz.case import LAYOUTS, FuzzCase
 from attngen.fuzz.check import FAILURE_KINDS, HARNESS, run_case
 from attngen.fuzz.runners import ReferenceRunner
@@ -118,12 +116,51 @@ def test_sticky_cuda_errors_are_recognised_in_torch_and_cupy_spellings():
     assert not is_sticky_cuda_error("CUDA error: out of memory")
 
 
-def test_no_spec_has_a_backward_pass_so_gradients_are_not_checked():
-    # The fuzzer checks the forward pass only, and `attngen fuzz` says "gradients: not checked".
-    backward = [f.name for f in dataclasses.fields(AttentionSpec)
-                if any(word in f.name.lower() for word in ("backward", "bwd", "grad"))]
-    assert not backward, (f"AttentionSpec has backward-related fields {backward}: add gradient checks to "
-                          "attngen/fuzz/check.py, then update the 'gradients: not checked' line in attngen/fuzz/report.py")
+class BrokenGrads(ReferenceRunner):
+    """The reference's forward and gradients, then `damage(dq, dk, dv)` applied to the gradients."""
+
+    def __init__(self, damage):
+        self.damage = damage
+
+    def backward(self, spec, q, k, v, out, lse, dout, *, dq, dk, dv, softmax_scale=None, inputs=None):
+        super().backward(spec, q, k, v, out, lse, dout, dq=dq, dk=dk, dv=dv, softmax_scale=softmax_scale, inputs=inputs)
+        self.damage(dq, dk, dv)
+
+
+def test_the_gradients_are_checked_where_a_backward_family_runs():
+    result = run_case(MASKED_ROWS, ReferenceRunner())
+    assert result.ok and result.backward_kernel.startswith("bwd_sm90_"), result.describe()
+    assert f"{result.kernel} + {result.backward_kernel}" in result.describe()
+    d256 = replace(MASKED_ROWS, spec=AttentionSpec(head_dim=256, dtype="bf16", mask="causal", gqa_ratio=2))
+    result = run_case(d256, ReferenceRunner())  # no backward family runs head_dim 256: the forward alone
+    assert result.ok and result.backward_kernel is None
+
+
+def _unwritten_dq_row(dq, dk, dv):
+    dq[:, -1] = math.nan
+
+
+def _write_past_dv(dq, dk, dv):
+    torch.as_strided(dv, (1,), (1,), dv.storage_offset() + dv.numel()).fill_(0.0)
+
+
+def _dk_off(dq, dk, dv):
+    dk[0, 0, 0, 0] += 1.0
+
+
+def _raise_in_backward(dq, dk, dv):
+    raise RuntimeError("launch failed: too many resources")
+
+
+@pytest.mark.parametrize("damage, kind, detail", [
+    (_unwritten_dq_row, "grad", "dq has NaN/Inf"),
+    (_write_past_dv, "guard", "dv's buffer was written outside the tensor"),
+    (_dk_off, "grad", "dk"),
+    (_raise_in_backward, "crash", "backward: RuntimeError: launch failed"),
+])
+def test_each_kind_of_wrong_gradient_is_caught_and_named(damage, kind, detail):
+    result = run_case(MASKED_ROWS, BrokenGrads(damage))
+    assert result.kind == kind and detail in result.detail, result.describe()
 
 
 class OverreadsKeyTiles(ReferenceRunner):

@@ -67,7 +67,7 @@ def test_passing_run_prints_a_summary_and_exits_0(runners, spec_file, tmp_path):
     assert result.exit_code == 0, result.output
     assert "attngen fuzz: 1 specs, up to 12 cases, seed 3\n  target sm_90a, families fwd_sm80: 1\n" in result.output
     assert KERNEL in result.output and "12 cases in" in result.output and "0 failures" in result.output
-    assert "gradients: not checked, no spec has a backward pass yet" in result.output
+    assert "gradients: dq, dk, dv checked in every case a backward family runs" in result.output
     assert not (tmp_path / "out" / "failures").exists()
 
 

@@ -12,13 +12,13 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_spec import BAD_VALUES, assert_names, spec_fields
 
 from attngen import load_spec, specfile
 from attngen.errors import SpecError
 from attngen.families import FAMILIES, plan_spec
 from attngen.spec import FLOAT32_MAX, FLOAT32_MIN_NORMAL, AttentionSpec
 from attngen.targets import allowed_archs, target
-from test_spec import BAD_VALUES, assert_names, spec_fields
 
 FILE_CASES = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -216,7 +216,13 @@ def test_file_mixed_type_keys_are_a_spec_error(tmp_path):
 def test_file_bad_value_names_file_field_and_value(tmp_path, field, data):
     value = data.draw(BAD_VALUES[field], label=field)
     path = write(tmp_path, {"head_dim": 128, field: value})
-    loaded = yaml.safe_load(path.read_text())[field]  # the value as the file states it
+    # The value as the file states it, read by YAML 1.2 rules as load_spec does: a string such as '0E0'
+    # that PyYAML writes unquoted is a float there.
+    loader = specfile._StrictLoader(path.read_text(), str(path))
+    try:
+        loaded = loader.get_single_data()[field]
+    finally:
+        loader.dispose()
     if isinstance(loaded, float) and math.isnan(loaded):
         loaded = value  # nan != nan: its repr is what the message must show
     with pytest.raises(SpecError) as info:

@@ -191,15 +191,37 @@ def strides(case: FuzzCase) -> dict[str, list[int]]:
 
 
 # -- inputs and outputs -----------------------------------------------------------
-def host_inputs(case: FuzzCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v on the CPU, contiguous, in the spec's dtype: a pure function of the case."""
+def _host_draws(case: FuzzCase, count: int) -> tuple[torch.Tensor, ...]:
+    """The first `count` of q, k, v, dout, drawn in that order from the case's seed."""
     gen = torch.Generator().manual_seed(case.data_seed)
     dtype = torch_dtype(case.spec.dtype)
 
     def draw(shape, scale):
         return (torch.randn(shape, generator=gen, dtype=torch.float32) * scale).to(dtype)
 
-    return draw(case.q_shape, case.logit_scale), draw(case.kv_shape, case.logit_scale), draw(case.kv_shape, 1.0)
+    shapes = ((case.q_shape, case.logit_scale), (case.kv_shape, case.logit_scale), (case.kv_shape, 1.0),
+              (case.q_shape, 1.0))
+    return tuple(draw(shape, scale) for shape, scale in shapes[:count])
+
+
+def host_inputs(case: FuzzCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v on the CPU, contiguous, in the spec's dtype: a pure function of the case."""
+    return _host_draws(case, 3)
+
+
+def host_dout(case: FuzzCase) -> torch.Tensor:
+    """The output's gradient for the backward check: drawn after q, k, v from the same seed (so the
+    input digest, of q, k, v and the runtime inputs, pins it too)."""
+    return _host_draws(case, 4)[3]
+
+
+def make_backward_tensors(case: FuzzCase, device) -> tuple[Poisoned, Poisoned, Poisoned, Poisoned]:
+    """dout (filled) and dq, dk, dv (all NaN), in the case's layout, inside NaN-poisoned buffers."""
+    values = host_dout(case)
+    dout = poisoned(case.q_shape, case.layout, values.dtype, device)
+    dout.view.copy_(values)
+    grads = [poisoned(shape, case.layout, values.dtype, device) for shape in (case.q_shape, case.kv_shape, case.kv_shape)]
+    return dout, *grads
 
 
 def make_inputs(case: FuzzCase, device) -> list[Poisoned]:

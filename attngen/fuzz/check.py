@@ -7,8 +7,14 @@ attngen.tolerance's, stated once and derived from the numerics; nothing here loo
 
 An error in the harness's own work (making the poisoned buffers, the float64 reference, the
 checks), out of memory say, is not a kernel failure: its result has kind HARNESS, and the search
-stops on it instead of shrinking it. Gradients are not checked: no spec has a backward pass
-(tests/test_fuzz_check.py fails once AttentionSpec grows one).
+stops on it instead of shrinking it.
+
+Then, where a backward family runs the spec on the runner's target (runner.backward_name), the
+gradients: from the runner's own out and LSE and a dout drawn from the case's seed, dq, dk and dv
+(NaN-poisoned buffers in the case's layout) are checked like the output: nothing written outside,
+every element written and finite, within tolerance.check_grads' bounds against float64 autograd of
+the reference. Specs with dropout are not fuzzed (attngen/fuzz/command.py), and the gradients of
+runtime inputs are checked by the GPU tests, not here.
 """
 
 from __future__ import annotations
@@ -18,7 +24,13 @@ from dataclasses import dataclass
 
 from attngen import reference, tolerance
 from attngen.errors import is_sticky_cuda_error
-from attngen.fuzz.case import FuzzCase, make_inputs, make_outputs, make_runtime_inputs
+from attngen.fuzz.case import (
+    FuzzCase,
+    make_backward_tensors,
+    make_inputs,
+    make_outputs,
+    make_runtime_inputs,
+)
 from attngen.fuzz.runners import Runner
 
 # What each kernel failure kind means; also the order in which the checks run.
@@ -28,6 +40,7 @@ FAILURE_KINDS = {
     "guard": "the kernel wrote outside its output tensors",
     "output": "the output is NaN/Inf, not fully written, or differs from the reference beyond the bound",
     "lse": "the LSE differs from the reference (value, -inf pattern or NaN)",
+    "grad": "a gradient (dq, dk, dv) is NaN/Inf, not fully written, or differs from the reference beyond the bound",
 }
 # Not a kernel failure: the harness itself could not run or check the case.
 HARNESS = "harness"
@@ -41,6 +54,7 @@ class CaseResult:
     seconds: float
     kind: str | None = None  # a FAILURE_KINDS key or HARNESS; None when the case passed
     detail: str = ""
+    backward_kernel: str | None = None  # the backward plan whose gradients were checked; None: not checked
 
     @property
     def ok(self) -> bool:
@@ -54,15 +68,17 @@ class CaseResult:
     def describe(self) -> str:
         status = ("ok" if self.ok else f"harness error (not a kernel failure): {self.detail}" if self.harness_error
                   else f"FAILED ({self.kind}): {self.detail}")
-        return f"{self.kernel} {self.case.label()}: {status}"
+        kernels = self.kernel if self.backward_kernel is None else f"{self.kernel} + {self.backward_kernel}"
+        return f"{kernels} {self.case.label()}: {status}"
 
 
 def run_case(case: FuzzCase, runner: Runner) -> CaseResult:
     start = time.perf_counter()
     kernel = runner.kernel_name(case.spec)
+    backward_kernel = None  # set once the gradients are being checked
 
     def result(kind=None, detail=""):
-        return CaseResult(case, kernel, time.perf_counter() - start, kind, detail)
+        return CaseResult(case, kernel, time.perf_counter() - start, kind, detail, backward_kernel)
 
     def harness_failure(stage: str, exc: Exception) -> CaseResult:
         message = f"{type(exc).__name__}: {exc}"
@@ -96,4 +112,35 @@ def run_case(case: FuzzCase, runner: Runner) -> CaseResult:
             return result("lse", str(bad))
     except Exception as exc:  # noqa: BLE001 - the reference running out of memory, typically
         return harness_failure("checking the result", exc)
+
+    backward_name = getattr(runner, "backward_name", None)
+    backward_kernel = None if backward_name is None else backward_name(case.spec)
+    if backward_kernel is None:  # no backward family runs this spec here (head_dim 256, say)
+        return result()
+    try:
+        dout, dq, dk, dv = make_backward_tensors(case, runner.device)
+    except Exception as exc:  # noqa: BLE001
+        return harness_failure("making the backward's tensors", exc)
+    try:
+        runner.backward(case.spec, q, k, v, out.view, lse.view, dout.view, dq=dq.view, dk=dk.view, dv=dv.view,
+                        softmax_scale=case.softmax_scale, **extra)
+    except Exception as exc:  # noqa: BLE001
+        message = f"{type(exc).__name__}: {exc}"
+        return result("device" if is_sticky_cuda_error(message) else "crash", f"backward: {message}")
+    try:
+        for name, buffer in (("dq", dq), ("dk", dk), ("dv", dv)):
+            where = buffer.written_outside()
+            if where is not None:
+                return result("guard", f"{name}'s buffer was written outside the tensor, at {where}")
+            if not bool(buffer.view.isfinite().all()):
+                return result("grad", f"{name} has NaN/Inf (an element unwritten, or overflow)")
+        spec = case.spec
+        ref = reference.attention_grads(q, k, v, dout.view, mask=spec.mask, score_mod=spec.score_mod, sink=spec.sink,
+                                        inputs=inputs, gqa_ratio=spec.gqa_ratio, softmax_scale=case.scale)
+        bad = tolerance.check_grads((dq.view, dk.view, dv.view), ref, q, k, v, out.view, dout.view, spec.dtype,
+                                    case.scale, lse=lse.view)
+        if bad is not None:
+            return result("grad", str(bad))
+    except Exception as exc:  # noqa: BLE001
+        return harness_failure("checking the gradients", exc)
     return result()

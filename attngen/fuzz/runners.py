@@ -3,7 +3,9 @@
 A runner has a `device` (where the harness puts tensors), a `target` (the attngen.targets.Target
 its kernels are planned and compiled for), a `machine` (what a reproducer records about where it
 ran), `kernel_name(spec)` (the name of the plan it runs for a spec) and is called as
-`runner(spec, q, k, v, out=..., lse=..., softmax_scale=...)`. `KernelRunner` is the real one;
+`runner(spec, q, k, v, out=..., lse=..., softmax_scale=...)`; `backward_name(spec)` (the backward
+plan's name, None where no backward family runs the spec) and `backward(spec, q, k, v, out, lse,
+dout, dq=..., dk=..., dv=..., softmax_scale=...)` run the gradients, which run_case checks too. `KernelRunner` is the real one;
 `ReferenceRunner` runs the reference through the same harness, so the whole find -> shrink ->
 reproduce -> replay path can be exercised without a GPU; tests wrap either to build deliberately
 broken runners.
@@ -40,6 +42,23 @@ class Runner(Protocol):
 
     def __call__(self, spec: AttentionSpec, q, k, v, *, out, lse, softmax_scale: float | None,
                  inputs: dict | None = None) -> None: ...
+
+    def backward_name(self, spec: AttentionSpec) -> str | None: ...
+
+    def backward(self, spec: AttentionSpec, q, k, v, out, lse, dout, *, dq, dk, dv, softmax_scale: float | None,
+                 inputs: dict | None = None) -> None: ...
+
+
+def backward_plan_name(spec: AttentionSpec, target: Target) -> str | None:
+    """The backward plan a spec gets on `target` (runtime/backward.py backward_plan), None when no
+    backward family runs it."""
+    from attngen.errors import SpecError
+    from attngen.runtime.backward import backward_plan
+
+    try:
+        return backward_plan(spec, target).name
+    except SpecError:
+        return None
 
 
 class KernelRunner:
@@ -82,6 +101,16 @@ class KernelRunner:
         self.launched.append(kernel.plan.name)
         torch.cuda.synchronize(self.device_index)  # an asynchronous launch error surfaces here, in this case
 
+    def backward_name(self, spec):
+        return backward_plan_name(spec, self.target)
+
+    def backward(self, spec, q, k, v, out, lse, dout, *, dq, dk, dv, softmax_scale=None, inputs=None) -> None:
+        from attngen.runtime.backward import backward
+
+        backward(dout, q, k, v, out, lse, spec, softmax_scale=softmax_scale, inputs=inputs, dq=dq, dk=dk, dv=dv)
+        self.launched.append(self.backward_name(spec))
+        torch.cuda.synchronize(self.device_index)
+
 
 class ReferenceRunner:
     """The float32 reference as the thing under test: correct by construction, runs on the CPU. It
@@ -99,3 +128,13 @@ class ReferenceRunner:
                                             compute_dtype=torch.float32, inputs=inputs)
         out.copy_(o)
         lse.copy_(l)
+
+    def backward_name(self, spec):
+        return backward_plan_name(spec, self.target)
+
+    def backward(self, spec, q, k, v, out, lse, dout, *, dq, dk, dv, softmax_scale=None, inputs=None) -> None:
+        scale = spec.effective_scale if softmax_scale is None else softmax_scale
+        grads = reference.attention_grads(q, k, v, dout, mask=spec.mask, score_mod=spec.score_mod, sink=spec.sink,
+                                          inputs=inputs, gqa_ratio=spec.gqa_ratio, softmax_scale=scale)
+        for buffer, grad in zip((dq, dk, dv), grads[:3]):
+            buffer.copy_(grad)
