@@ -674,6 +674,8 @@ static_assert(BLOCK_M == 64, "a dS^T row (BLOCK_M queries) is one 128-byte swizz
 static_assert(HEAD_DIM % 64 == 0 && DQ_N % 32 == 0, "whole swizzle chunks; dQ parts are whole groups of 8 units");
 static_assert(DQ_N == HEAD_DIM / DQ_PARTS, "bwd_rows.cuh's dQ layout and this kernel's agree");
 static_assert(KV_CHUNK % ALIGN == 0 && Q_CHUNK % ALIGN == 0 && DS_BYTES % ALIGN == 0, "chunks start on atoms");
+// The learnable inputs' warp sums (bwd_rows.cuh) are static shared memory beside SMEM_BYTES: within sm_90's 227 KB.
+static_assert(SMEM_BYTES + 4 * bwd_rows::IG_REGS * (THREADS / 32) <= 232448, "shared memory past sm_90's 227 KB");
 
 // Byte offset of 16-byte unit `unit` of row r in a swizzled tile of `rows` rows.
 __device__ __forceinline__ u32 swizzled(int rows, int r, int unit) {
@@ -875,8 +877,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const Params& p) {
     for (int i = 0; i < KV_REGS; ++i) dk[i] = dv[i] = 0.f;
 
     const u32 k_rows = sK + wg * 64 * 128, v_rows = sV + wg * 64 * 128;  // this warpgroup's keys in each chunk
-    // dQ's B operand: this warpgroup's DQ_N columns of K, MN-major (a 64-byte step within a chunk is fine:
-    // the swizzle acts on address bits, and chunks are atom-aligned).
+    // dQ's B operand: this warpgroup's DQ_N columns of K, MN-major. At head_dim 64 warpgroup 1's start
+    // is 64 bytes into a 128-byte row: fine, as the descriptor's base offset is that of the swizzle
+    // pattern ((pattern start >> 7) & 7 = 0: chunks are 1024-byte aligned), not of the matrix, the same
+    // mechanism as the K-major k16 steps; the head_dim-64 GPU tests check all of dQ's columns.
     const u32 k_cols = sK + (wg * DQ_N / 64) * KV_CHUNK + (wg * DQ_N % 64) * 2;
     const int key_lo = n0 + wg * 64 + warp * 16 + g;  // this thread's keys: key_lo and key_lo + 8
 
