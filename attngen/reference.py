@@ -270,13 +270,9 @@ def _modifier_derivatives(modifier, dense, Sq: int, Sk: int, inputs):
 
 def _read_at_h_by_modifier(name: str, score_mod, sink) -> bool:
     """Whether inputs[name] is one the backward kernels differentiate (bwd_shared.learnable_inputs)."""
-    from attngen.families.bwd_shared import learnable_inputs
-    from attngen.spec import Problem
+    from attngen.families.bwd_shared import modifier_learnable_inputs
 
-    if score_mod is None:
-        return False
-    return name in learnable_inputs(Problem(head_dim=64, dtype="bf16", gqa_ratio=1, mask="none", softmax_scale=None,
-                                            score_mod=score_mod, sink=sink))
+    return name in modifier_learnable_inputs(score_mod, sink)
 
 
 def _modifier_input_derivative(modifier, name, dense, Sq: int, Sk: int, inputs, shape):

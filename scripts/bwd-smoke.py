@@ -6,6 +6,7 @@ front door; prints the worst relative error of dq, dk, dv per case.
     python scripts/bwd-smoke.py [--family bwd_sm90|bwd_sm80] [--quick]
 """
 
+import argparse
 import sys
 
 import torch
@@ -18,8 +19,11 @@ from attngen.runtime.tensors import describe
 from attngen.spec import AttentionSpec
 import attngen
 
-ARGS = sys.argv[1:]
-FAMILY = BACKWARD_FAMILIES[ARGS[ARGS.index("--family") + 1] if "--family" in ARGS else "bwd_sm80"]
+_PARSER = argparse.ArgumentParser(description="Direct launches of a backward family against the reference.")
+_PARSER.add_argument("--family", default="bwd_sm80", choices=list(BACKWARD_FAMILIES))
+_PARSER.add_argument("--quick", action="store_true", help="three small cases, for compute-sanitizer")
+ARGS = _PARSER.parse_args()
+FAMILY = BACKWARD_FAMILIES[ARGS.family]
 
 
 def run_case(B, Sq, Sk, Hq, Hkv, D, dtype, mask="none", score_mod=None, sink=None, inputs=None, config=None, seed=0):
@@ -67,7 +71,7 @@ def quick():
     run_case(1, 100, 100, 2, 2, d, "bf16", "causal", score_mod="softcap(30.0)", sink="sinks[h]", inputs={"sinks": sinks})
 
 
-if __name__ == "__main__" and "--quick" in ARGS:
+if __name__ == "__main__" and ARGS.quick:
     quick()
     sys.exit(0)
 

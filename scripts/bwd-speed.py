@@ -67,7 +67,7 @@ def case(S, D, causal, config=None):
 def main():
     global FAMILY
     parser = argparse.ArgumentParser()
-    parser.add_argument("--family", default=next(iter(BACKWARD_FAMILIES)))
+    parser.add_argument("--family", default=next(iter(BACKWARD_FAMILIES)), choices=list(BACKWARD_FAMILIES))
     parser.add_argument("--causal", action="store_true", help="causal cases and one full one")
     parser.add_argument("--short", action="store_true", help="d64/d128 x full/causal at 2k and 8k, no config sweep")
     args = parser.parse_args()

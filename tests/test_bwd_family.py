@@ -34,11 +34,13 @@ def info(name, shape, dtype="bfloat16"):
     return TensorInfo(name, "torch", 1 << 20, tuple(shape), strides, dtype, 0)
 
 
-def call(B=2, Sq=100, Sk=300, Hq=8, Hkv=2, D=128):
+def call(B=2, Sq=100, Sk=300, Hq=8, Hkv=2, D=128, inputs=()):
+    """A backward call's layout (no GPU: made-up pointers), for plans and launches."""
     q, k = info("q", (B, Sq, Hq, D)), info("k", (B, Sk, Hkv, D))
     lse = info("lse", (B, Hq, Sq), "float32")
     return BackwardCall(q, k, info("v", k.shape), info("out", q.shape), lse, info("dout", q.shape), None,
-                        info("dq", q.shape), info("dk", k.shape), info("dv", k.shape), 0.125, workspace=1 << 30)
+                        info("dq", q.shape), info("dk", k.shape), info("dv", k.shape), 0.125, workspace=1 << 30,
+                        inputs=inputs)
 
 
 def test_the_backward_registry_holds_the_family_and_select_finds_it():

@@ -8,33 +8,19 @@ from __future__ import annotations
 import math
 
 import pytest
+from test_bwd_family import call, info
 
 from attngen import families, targets
 from attngen.build import nvcc
 from attngen.errors import SpecError
 from attngen.families import BACKWARD_FAMILIES
-from attngen.families.base import BackwardCall
 from attngen.families.bwd_shared import Workspace
 from attngen.families.bwd_sm90.family import Sm90BwdConfig, smem_bytes
-from attngen.runtime.tensors import TensorInfo
 from attngen.spec import AttentionSpec
 
 FAMILY = BACKWARD_FAMILIES["bwd_sm90"]
 H100 = targets.target("sm_90a")
 A100 = targets.target("sm_80")
-
-
-def info(name, shape, dtype="bfloat16"):
-    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return TensorInfo(name, "torch", 1 << 20, tuple(shape), strides, dtype, 0)
-
-
-def call(B=2, Sq=100, Sk=300, Hq=8, Hkv=2, D=128, inputs=()):
-    q, k = info("q", (B, Sq, Hq, D)), info("k", (B, Sk, Hkv, D))
-    lse = info("lse", (B, Hq, Sq), "float32")
-    return BackwardCall(q, k, info("v", k.shape), info("out", q.shape), lse, info("dout", q.shape), None,
-                        info("dq", q.shape), info("dk", k.shape), info("dv", k.shape), 0.125, workspace=1 << 30,
-                        inputs=inputs)
 
 
 def test_preferred_on_hopper_and_the_mma_sync_family_elsewhere():

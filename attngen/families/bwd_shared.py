@@ -37,17 +37,22 @@ def learnable_inputs(problem) -> tuple[str, ...]:
     """The float runtime inputs the backward gives gradients of: read by the score modifier, every
     read at index [h] (one value per query head), and not read by the sink (whose inputs get theirs
     in torch, attngen/api.py sink_grads). Sorted by name."""
+    return modifier_learnable_inputs(problem.score_mod, problem.sink)
+
+
+def modifier_learnable_inputs(score_mod: str | None, sink: str | None) -> tuple[str, ...]:
+    """learnable_inputs of a score modifier and a sink given as their texts."""
     from attngen.maskc.ir import Input, Var, walk
     from attngen.score_mods import get_score_mod
 
-    if problem.score_mod is None:
+    if score_mod is None:
         return ()
     reads: dict[str, bool] = {}
-    for n in walk(get_score_mod(problem.score_mod).program.ir):
+    for n in walk(get_score_mod(score_mod).program.ir):
         if isinstance(n, Input):
             at_h = len(n.index) == 1 and isinstance(n.index[0], Var) and n.index[0].name == "h"
             reads[n.name] = reads.get(n.name, True) and at_h
-    sink_reads = set() if problem.sink is None else {n for n, _ in get_score_mod(problem.sink).program.inputs}
+    sink_reads = set() if sink is None else {n for n, _ in get_score_mod(sink).program.inputs}
     return tuple(sorted(name for name, at_h in reads.items() if at_h and name not in sink_reads))
 
 
@@ -169,14 +174,18 @@ def check_key_blocks(plan: ForwardPlan, call: BackwardCall) -> int:
     return key_blocks
 
 
-def launches(plan: ForwardPlan, call: BackwardCall, main: Launch, params: bytes, workspace: Workspace) -> list[Launch]:
-    """Every launch of a call in order: mask tables, prep, the family's `main`, dq."""
+def launches(plan: ForwardPlan, call: BackwardCall) -> list[Launch]:
+    """Every launch of a call in order: mask tables, prep, the family's main kernel on the grid
+    (kv heads, key blocks, batch) with the plan's threads and shared memory, dq."""
+    key_blocks = check_key_blocks(plan, call)
+    workspace = Workspace.of(plan, call)
+    params = plan.kernels[0].abi.pack(Packing(call, workspace))
     prep, dq = plan.kernels[-2:]
     rows_per_prep = PREP_THREADS // 32  # one warp per row
     rows_per_dq = DQ_THREADS // (plan.head_dim // 8)
     return [*mask_table.launches(plan, call, params),
             Launch(prep.symbol, (math.ceil(workspace.sq_pad / rows_per_prep), call.heads_q, call.batch),
                    (PREP_THREADS, 1, 1), 0, params),
-            main,
+            Launch(plan.name, (call.heads_kv, key_blocks, call.batch), (plan.threads, 1, 1), plan.smem_bytes, params),
             Launch(dq.symbol, (math.ceil(call.seq_q / rows_per_dq), call.heads_q, call.batch),
                    (DQ_THREADS, 1, 1), 0, params)]

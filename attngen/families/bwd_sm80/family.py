@@ -41,7 +41,6 @@ from attngen.families.base import (
 from attngen.families.bwd_shared import (
     ARGUMENTS,
     BackwardPlan,
-    Packing,
     Workspace,
     the_call,
 )
@@ -224,11 +223,7 @@ class Sm80Backward(KernelFamily):
         return Workspace.of(plan, call).total
 
     def launches(self, plan: BwdPlan, call: BackwardCall) -> list[Launch]:
-        key_blocks = bwd_shared.check_key_blocks(plan, call)
-        workspace = Workspace.of(plan, call)
-        params = plan.kernels[0].abi.pack(Packing(call, workspace))
-        main = Launch(plan.name, (call.heads_kv, key_blocks, call.batch), (plan.threads, 1, 1), plan.smem_bytes, params)
-        return bwd_shared.launches(plan, call, main, params, workspace)
+        return bwd_shared.launches(plan, call)
 
     def estimate(self, plan, report, gpu, shape):
         raise NotImplementedError("the tuner does not time backward kernels yet")

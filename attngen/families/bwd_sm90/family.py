@@ -31,7 +31,7 @@ from attngen.codegen import render as codegen
 from attngen.errors import SpecError
 from attngen.families import bwd_shared
 from attngen.families.base import BackwardCall, Config, KernelFamily, KernelPlan, Launch, problem_inputs
-from attngen.families.bwd_shared import ARGUMENTS, BackwardPlan, Packing, Workspace, the_call
+from attngen.families.bwd_shared import ARGUMENTS, BackwardPlan, Workspace, the_call
 from attngen.faults import check_fault
 from attngen.masks import get_mask, mask_problem
 from attngen.runtime_inputs import with_inputs
@@ -140,11 +140,7 @@ class Sm90Backward(KernelFamily):
         return Workspace.of(plan, call).total
 
     def launches(self, plan: Sm90BwdPlan, call: BackwardCall) -> list[Launch]:
-        key_blocks = bwd_shared.check_key_blocks(plan, call)
-        workspace = Workspace.of(plan, call)
-        params = plan.kernels[0].abi.pack(Packing(call, workspace))
-        main = Launch(plan.name, (call.heads_kv, key_blocks, call.batch), (THREADS, 1, 1), plan.smem_bytes, params)
-        return bwd_shared.launches(plan, call, main, params, workspace)
+        return bwd_shared.launches(plan, call)
 
     def estimate(self, plan, report, gpu, shape):
         raise NotImplementedError("the tuner does not time backward kernels yet")
