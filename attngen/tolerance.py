@@ -38,9 +38,10 @@ of dK, dV and of dQ; an fp32 sum of N terms errs by at most N eps32 times their 
    |L' - L| where the check is given L', else the forward's estimate max_j |g1| ds_ij +
    eps32 (|L| + 1); 2 eps32 (|Z| + |L|) covers four fp32 roundings of magnitude |Z| or |L| (the
    modifier, the log2(e) conversions of score and LSE, the exponent's FMA) and 2^-21 the
-   approximate exp2. So |P' - P| <= eta P with eta = e^e - 1.
+   approximate exp2. ex2.approx.ftz flushes a result below fp32's normal range to 0, so
+   |P' - P| <= eta P + phi with eta = e^e - 1 and phi = 2^-126 where visible (0 elsewhere).
 2. dV. P' rounded to the dtype (u relative, or tau), times dO exactly, summed in fp32 over N_q
-   rows, rounded: pre = sum_i eta P |dO| + (u + N_q eps32) sum_i (1 + eta) P |dO| +
+   rows, rounded: pre = sum_i (eta P + phi) |dO| + (u + N_q eps32) sum_i ((1 + eta) P + phi) |dO| +
    tau sum_{i sees j} |dO_i|, and |dV' - dV| <= pre + u (|dV| + pre) + tau.
 3. D. D' = fl32(sum_d dO O') - dLSE (exact products, d roundings of the sum, one of the
    difference): |D' - D| <= dD_i = |sum_d dO_id (O'_id - O_id)| + (d + 1) eps32
@@ -50,8 +51,9 @@ of dK, dV and of dQ; an fp32 sum of N terms errs by at most N eps32 times their 
 4. dP. dP' = fl32(dO_i . v_j): |dP' - dP| <= ddP_ij = d eps32 sum_d |dO_id v_jd|.
 5. g1, at the kernel's fp32 score: |g1' - g1| <= dg = |g2| (ds + eps32 |S|) + 4 eps32 |g1|
    (0 without a modifier; the modifier's value error is in e above).
-6. dS. dS' = dtype(fl32(P' (dP' - D') g1' scale)): pre = eta |dS| + (1 + eta) P scale
-   ((ddP + dD)(|g1| + dg) + |dP - D| dg), plus 4 eps32 (|dS| + pre) for the fp32 products;
+6. dS. dS' = dtype(fl32(P' (dP' - D') g1' scale)): pre = eta |dS| + phi scale |dP - D| (|g1| + dg)
+   + ((1 + eta) P + phi) scale ((ddP + dD)(|g1| + dg) + |dP - D| dg), plus 4 eps32 (|dS| + pre) for
+   the fp32 products;
    E_dS = pre + u (|dS| + pre) + tau where visible. Where P is peaked dP and D nearly cancel, and
    dD (O's rounding) rather than dS sets the error: the backward's weakest step.
 7. dK, dQ. dS' times q or k exactly, summed in fp32 (dQ through fp32 atomics), rounded:
@@ -88,6 +90,7 @@ LSE_SAFETY = 4.0
 # The absolute error of rounding a value below the normal range (module docstring: tau).
 TINY = {"fp16": 2.0**-25, "bf16": 2.0**-126}
 EXP2_ERROR = 2.0**-21  # ex2.approx: 2 ulp of fp32
+FTZ32 = 2.0**-126  # ex2.approx.ftz returns 0 below fp32's normal range (module docstring: phi)
 
 
 @dataclass(frozen=True)
@@ -222,11 +225,12 @@ def grad_bounds(ref_grads, q, k, v, out, dout, dtype: str, scale: float, *, lse=
         e_lse = (g1a * ds * vis).amax(-1) + EPS32 * (L_abs + 1.0) if P.shape[-1] else torch.zeros_like(L)
     e = g1a * ds + e_lse[..., None] + 2 * EPS32 * (Z_abs + L_abs[..., None]) + EXP2_ERROR
     eta = torch.expm1(SAFETY * e) * vis
+    phi = SAFETY * FTZ32 * vis
 
     # 2. dV (9.: the dropout weights W on P).
     W = parts.get("W")
     PW, vis_w = (P, vis) if W is None else (P * W, vis * W)
-    P_eta = eta * PW
+    P_eta = eta * PW + (phi if W is None else phi * W)
     mag = torch.einsum("bgrqk,bgrqd->bgkd", PW + P_eta, doa)
     pre = torch.einsum("bgrqk,bgrqd->bgkd", P_eta, doa) + (u + n_q * e32) * mag \
         + tiny * torch.einsum("bgrqk,bgrqd->bgkd", vis_w, doa)
@@ -249,8 +253,9 @@ def grad_bounds(ref_grads, q, k, v, out, dout, dtype: str, scale: float, *, lse=
 
     # 6. dS (scale included).
     dS_abs = dS.abs()
-    pre = eta * dS_abs + (1 + eta) * P * scale * ((ddP + dD[..., None]) * (g1a + dg)
-                                                  + (parts["dP"] - delta[..., None]).abs() * dg)
+    G_free = (parts["dP"] - delta[..., None]).abs()  # |dP - D|
+    pre = eta * dS_abs + phi * scale * G_free * (g1a + dg) \
+        + ((1 + eta) * P + phi) * scale * ((ddP + dD[..., None]) * (g1a + dg) + G_free * dg)
     pre = pre + 4 * e32 * (dS_abs + pre)
     E_dS = pre + u * (dS_abs + pre) + tiny * vis
     dS_mag = dS_abs + E_dS
@@ -281,7 +286,7 @@ def grad_bounds(ref_grads, q, k, v, out, dout, dtype: str, scale: float, *, lse=
     # without g' and the scale), m = d modified / d input in fp32; summed in fp32 in any order.
     if parts.get("dmod"):
         G_abs = (P * (parts["dP"] - delta[..., None])).abs()
-        E_G = eta * G_abs + (1 + eta) * P * (ddP + dD[..., None])
+        E_G = eta * G_abs + phi * G_free + ((1 + eta) * P + phi) * (ddP + dD[..., None])
         E_G = E_G + 4 * e32 * (G_abs + E_G)
         terms = G_abs.shape[0] * G_abs.shape[3] * G_abs.shape[4]  # batches x rows x keys per head
         for name, m in parts["dmod"].items():

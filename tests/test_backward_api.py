@@ -216,6 +216,21 @@ def test_a_pinned_backward_family_keeps_its_config():
     assert plan.family == "bwd_sm80" and plan.config.block_m == 32 and plan.config.num_stages == 1
 
 
+def test_a_pinned_backward_family_leaves_the_forward_its_own_choice():
+    """attention(spec=...) with a backward family pinned: the forward runs the forward dispatcher's
+    family (attngen/runtime/dispatch.py forward_part), the backward the pinned one."""
+    from attngen import families
+    from attngen.runtime.dispatch import forward_part
+
+    pinned = SPEC.replace(family="bwd_sm90", config={"num_stages": 1}, arch="sm_90a")
+    forward = forward_part(pinned)
+    assert forward.family is None and forward.config is None and forward.problem == pinned.problem
+    assert families.plan_spec(forward, H100, operation="forward").family == "fwd_sm90"
+    assert backward_plan(pinned, H100).config.num_stages == 1
+    for spec in (SPEC, SPEC.replace(family="fwd_sm80", config={"block_m": 64})):
+        assert forward_part(spec) is spec
+
+
 def test_a_problem_no_backward_family_runs_says_why():
     with pytest.raises(SpecError, match="no backward kernel family can run .*head_dim 256"):
         backward_plan(AttentionSpec(head_dim=256), H100)

@@ -147,6 +147,24 @@ def test_an_explicit_softmax_scale():
     check(q, k, v, dout, mask="causal", softmax_scale=0.3)
 
 
+@pytest.mark.parametrize("num_stages", [1, 2])
+@pytest.mark.parametrize("head_dim, mask", [(64, "causal"), (128, DOC_MASK)])
+def test_bwd_sm90_pinned_stages(backward_family, num_stages, head_dim, mask):
+    """bwd_sm90 pinned by a spec with each of its Q/dO pipeline depths (the default is 2)."""
+    import torch
+
+    if backward_family != "bwd_sm90":
+        pytest.skip("pins bwd_sm90 itself: once is enough")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("bwd_sm90 runs on sm_90 only")
+    B, S = 2, 300
+    q, k, v, dout = _tensors(B, S, S, 8, 2, head_dim, "bf16", seed=31 + num_stages)
+    spec = attngen.AttentionSpec(head_dim=head_dim, dtype="bf16", gqa_ratio=4, mask=mask, family="bwd_sm90",
+                                 config={"block_m": 64, "num_stages": num_stages}, arch="sm_90a")
+    inputs = {"doc": _doc_ids(B, S, seed=5)} if mask == DOC_MASK else None
+    check(q, k, v, dout, spec=spec, mask=mask, inputs=inputs)
+
+
 # -- score modifiers, sinks, the LSE ------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("score_mod, logit_scale", [("softcap(30.0)", 3.0),

@@ -140,11 +140,20 @@ def _bucket(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+def forward_part(spec: AttentionSpec) -> AttentionSpec:
+    """The spec the forward runs: one pinning a backward family (and its config) pins the backward
+    alone (attngen/runtime/backward.py backward_plan), so the forward picks its own family."""
+    if spec.family is not None and spec.family in families.BACKWARD_FAMILIES:
+        return dataclasses.replace(spec, family=None, config=None)
+    return spec
+
+
 def resolve(spec: AttentionSpec, q: TensorInfo, k: TensorInfo) -> Kernel:
     """The kernel a call runs: memoized per (spec, shape bucket, device) while the tuning database
     is unchanged."""
     from attngen.tune import lookup
 
+    spec = forward_part(spec)
     device = q.device
     if spec.fully_configured:
         key = (spec, device)
