@@ -47,7 +47,7 @@ _SPEC_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 
 def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = None, score_mod: str | None = None,
               sink: str | None = None, inputs: dict | None = None, softmax_scale: float | None = None,
-              return_lse: bool = False, dropout_p: float = 0.0, dropout_seed=None):
+              return_lse: bool = False, dropout_p: float = 0.0, dropout_seed=None, deterministic: bool | None = None):
     """Attention forward, softmax(score_mod(scale * q k^T) + mask) v, in one fused kernel.
 
     Args:
@@ -92,6 +92,12 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
             device, read when the kernel runs. Ignored when dropout_p is 0. The element (b, h, i,
             j) is kept by a pure function of (seed, offset, b, h, i, j) (docs/dropout.md), whatever
             the kernel family or tile, so the backward regenerates the forward's mask exactly.
+        deterministic: whether the gradients must be bitwise repeatable (the forward always is):
+            the backward then adds dQ's parts in a fixed order (docs/backward.md, "Deterministic";
+            it runs the bwd_sm80 family). None (default): the spec's `deterministic`, else torch's
+            setting (torch.use_deterministic_algorithms). With a spec, True needs the spec's to be
+            true, and torch's setting with a spec that is not raises (warns in warn_only mode), as
+            torch does for an op without a deterministic implementation.
 
     Returns:
         out, like q (new, contiguous), in q's dtype; with return_lse, (out, lse) where lse is
@@ -129,7 +135,8 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
             out, lse = _eager(torch, q, k, v, spec, (mask, score_mod, sink), softmax_scale, inputs, dropout_p,
                               dropout_seed)
         else:
-            key = _spec_key(q, k, spec, mask, score_mod, sink, dropout_p)
+            key = _spec_key(q, k, spec, mask, score_mod, sink, dropout_p,
+                            _deterministic(torch, deterministic, spec) if grad else False)
             names, tensors = _split_inputs(inputs)
             if grad:  # before the forward runs: the op's autograd formula checks only after it
                 _check_grad_inputs(key, names, tensors)
@@ -146,6 +153,26 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
         out, lse = forward(q, k, v, _spec_from_key(key), softmax_scale=softmax_scale, inputs=inputs,
                            rng=_cupy_rng(q, spec.dropout_p if spec is not None else dropout_p, dropout_seed))
     return (out, lse) if return_lse else out
+
+
+def _deterministic(torch, deterministic, spec) -> bool:
+    """Whether the call's gradients must be deterministic (attention()'s `deterministic`)."""
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic={deterministic!r} is invalid; allowed: None, True, False")
+    if deterministic is not None:
+        return deterministic
+    if spec is not None and isinstance(spec, AttentionSpec):
+        if not spec.deterministic and torch.are_deterministic_algorithms_enabled():
+            message = ("attngen.attention's backward with a spec whose deterministic is false adds dQ with "
+                       "order-dependent fp32 atomics, and torch.use_deterministic_algorithms(True) is set; "
+                       "allowed: a spec with deterministic=True (docs/backward.md, \"Deterministic\")")
+            if not torch.is_deterministic_algorithms_warn_only_enabled():
+                raise RuntimeError(message)
+            import warnings
+
+            warnings.warn(message, stacklevel=3)
+        return spec.deterministic
+    return torch.are_deterministic_algorithms_enabled()
 
 
 def _check_seed(seed) -> None:
@@ -282,9 +309,9 @@ def _eager(torch, q, k, v, spec, texts, softmax_scale, inputs=None, dropout_p=0.
     return prepared.run_torch(torch, q, k, v, torch_stream(torch, prepared.device), tensors, rng)
 
 
-def _spec_key(q, k, spec, mask, score_mod=None, sink=None, dropout_p=0.0) -> str:
+def _spec_key(q, k, spec, mask, score_mod=None, sink=None, dropout_p=0.0, deterministic=False) -> str:
     """The canonical key of the spec a call runs: pure Python over tensor metadata, so torch.compile
-    traces it into constants."""
+    traces it into constants. `deterministic`: the gradients' (attention()'s, resolved)."""
     from attngen import dropout
 
     reason = dropout.problem(dropout_p)
@@ -293,6 +320,9 @@ def _spec_key(q, k, spec, mask, score_mod=None, sink=None, dropout_p=0.0) -> str
     if spec is not None:
         if not isinstance(spec, AttentionSpec):
             raise ValueError(f"spec must be an attngen.AttentionSpec or None, got {type(spec).__name__}")
+        if deterministic and not spec.deterministic:
+            raise ValueError("deterministic=True conflicts with the spec's deterministic=False; allowed: None or "
+                             "False, or a spec with deterministic=True")
         if dropout_p and dropout_p != spec.dropout_p:
             raise ValueError(f"dropout_p={dropout_p!r} conflicts with the spec's dropout_p={spec.dropout_p!r}; "
                              "allowed: 0 (the spec's applies) or the spec's value")
@@ -321,10 +351,12 @@ def _spec_key(q, k, spec, mask, score_mod=None, sink=None, dropout_p=0.0) -> str
     if heads_kv < 1 or heads_q % heads_kv or not 1 <= heads_q // heads_kv <= MAX_GQA_RATIO:
         raise ValueError(f"q has {heads_q} heads and k has {heads_kv}; allowed: heads_q a multiple of heads_kv, "
                          f"at most {MAX_GQA_RATIO} times")
-    # AttentionSpec.key()'s canonical JSON, spelled out (fields sorted, no spaces; dropout_p sorts first).
-    # repr is json.dumps's spelling of a finite float, and dynamo traces it (not the json encoder).
+    # AttentionSpec.key()'s canonical JSON, spelled out (fields sorted, no spaces; deterministic and
+    # dropout_p sort first). repr is json.dumps's spelling of a finite float, and dynamo traces it
+    # (not the json encoder).
+    deterministic_json = '"deterministic":true,' if deterministic else ""
     dropout_json = f'"dropout_p":{float(dropout_p)!r},' if dropout_p else ""
-    return (f'{{{dropout_json}"dtype":"{dtype}","gqa_ratio":{heads_q // heads_kv},"head_dim":{head_dim},'
+    return (f'{{{deterministic_json}{dropout_json}"dtype":"{dtype}","gqa_ratio":{heads_q // heads_kv},"head_dim":{head_dim},'
             f'"mask":{mask_json}{score_json}{sink_json}}}')
 
 

@@ -4,6 +4,8 @@ attngen through the front door (attention(), then torch.autograd.grad) against t
 (FlashAttention-2) and cuDNN backends in the same process. TFLOP/s counted as the papers do: the
 forward's 4*B*H*S^2*D (halved when causal), the backward 2.5 times that. Also the peak memory of
 forward + backward at 4k, 16k and 64k tokens (one sequence), which must grow linearly.
+Besides the default: attngen with deterministic=True, and the family that runs it (bwd_sm80)
+without it, so the ordering's own cost shows.
 Writes backward-<gpu>-<date>.json and .png."""
 
 from __future__ import annotations
@@ -45,9 +47,18 @@ def bench_case(seqlen: int, head_dim: int, causal: bool) -> dict:
     def ours_both():
         torch.autograd.grad(attngen.attention(q, k, v, mask=mask), (q, k, v), dout)
 
+    def ours_both_deterministic():  # dQ added in key order (docs/backward.md, "Deterministic")
+        torch.autograd.grad(attngen.attention(q, k, v, mask=mask, deterministic=True), (q, k, v), dout)
+
+    sm80 = attngen.AttentionSpec(head_dim=head_dim, dtype="bf16", mask=mask, family="bwd_sm80")
+
+    def ours_both_sm80():  # the family deterministic runs, without it: what the ordering itself costs
+        torch.autograd.grad(attngen.attention(q, k, v, sm80), (q, k, v), dout)
+
     row = {"seqlen": seqlen, "head_dim": head_dim, "causal": causal, "batch": batch, "heads": heads}
     flops = _flops(batch, heads, seqlen, head_dim, causal)
-    timings = {"attngen": (ours_fwd, ours_both)}
+    timings = {"attngen": (ours_fwd, ours_both), "attngen_deterministic": (ours_fwd, ours_both_deterministic),
+               "attngen_bwd_sm80": (ours_fwd, ours_both_sm80)}
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
     dt = dout.transpose(1, 2)
     for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -119,14 +130,14 @@ def _plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    names = ("attngen", "sdpa_flash", "sdpa_cudnn")
-    fig, ax = plt.subplots(figsize=(11, 4))
-    width = 0.27
+    names = ("attngen", "attngen_deterministic", "sdpa_flash", "sdpa_cudnn")
+    fig, ax = plt.subplots(figsize=(12, 4))
+    width = 0.2
     for i, n in enumerate(names):
         ax.bar([j + i * width for j in range(len(rows))], [r.get(f"{n}_fwd_bwd_tflops", 0) for r in rows], width,
                label=n)
     labels = [f"d{r['head_dim']} {'c' if r['causal'] else 'f'} {r['seqlen'] // 1024}k" for r in rows]
-    ax.set_xticks([j + width for j in range(len(rows))], labels, fontsize=7)
+    ax.set_xticks([j + 1.5 * width for j in range(len(rows))], labels, fontsize=7)
     ax.set_ylabel("forward+backward TFLOP/s")
     ax.set_title(f"training attention (fwd+bwd), 16k tokens, hidden 2048, bf16 — {result['gpu']}, {result['date']}")
     ax.legend(fontsize=8)

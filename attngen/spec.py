@@ -33,7 +33,8 @@ HEAD_DIMS = (64, 96, 128, 256)
 MAX_GQA_RATIO = 1024
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
-PROBLEM_FIELDS = ("head_dim", "dtype", "gqa_ratio", "mask", "softmax_scale", "score_mod", "sink", "dropout_p")
+PROBLEM_FIELDS = ("head_dim", "dtype", "gqa_ratio", "mask", "softmax_scale", "score_mod", "sink", "dropout_p",
+                  "deterministic")
 # Tile fields of attngen 0.1, now config fields of the fwd_sm80 family: named in a clear error.
 LEGACY_TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
@@ -57,9 +58,11 @@ def _is_int(value) -> bool:
 
 
 def is_set(name: str, value) -> bool:
-    """Whether a spec or problem field counts as given (keys, names, manifests): not None, and for
-    dropout_p not 0, so a problem without dropout keeps the identity it had before the field existed."""
-    return value is not None and not (name == "dropout_p" and value == 0)
+    """Whether a spec or problem field counts as given (keys, names, manifests): not None, for
+    dropout_p not 0 and for deterministic not False, so a problem without them keeps the identity it
+    had before the fields existed."""
+    return value is not None and not (name == "dropout_p" and value == 0) \
+        and not (name == "deterministic" and value is False)
 
 
 def _type_hint(value, want: str) -> str:
@@ -79,6 +82,9 @@ class Problem:
     score_mod: str | None = None  # None: scores as they are
     sink: str | None = None  # an attention-sink logit per row; None: no sink
     dropout_p: float = 0.0  # dropout of the attention probabilities (attngen/dropout.py); 0: none
+    # Gradients bitwise repeatable: no order-dependent fp32 sums (docs/backward.md, "Deterministic").
+    # Forward kernels are deterministic anyway; backward families order their dQ sums or refuse.
+    deterministic: bool = False
 
     @property
     def scale(self) -> float:
@@ -158,6 +164,7 @@ class AttentionSpec:
     score_mod: str | None = None  # an expression over score (docs/masks.md); None: scores as they are
     sink: str | None = None  # an attention-sink logit expression, e.g. "sinks[h]"; None: no sink
     dropout_p: float = 0.0  # dropout of the attention probabilities, 0 <= p < 1 (attngen/dropout.py); 0: none
+    deterministic: bool = False  # bitwise repeatable gradients (docs/backward.md, "Deterministic")
     # Where the spec came from (a file path), used only to make errors name it.
     source: str | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -229,6 +236,9 @@ class AttentionSpec:
             fail("dropout_p", reason)
         else:
             object.__setattr__(self, "dropout_p", float(self.dropout_p))
+        if not isinstance(self.deterministic, bool):
+            fail("deterministic", f"deterministic={show(self.deterministic)} is invalid"
+                                  f"{_type_hint(self.deterministic, 'true or false')}; allowed: true, false")
         target = None
         if self.arch is not None:
             from attngen import targets
@@ -274,7 +284,7 @@ class AttentionSpec:
     @property
     def problem(self) -> Problem:
         return Problem(self.head_dim, self.dtype, self.gqa_ratio, self.mask, self.softmax_scale, self.score_mod,
-                       self.sink, self.dropout_p)
+                       self.sink, self.dropout_p, self.deterministic)
 
     @property
     def effective_scale(self) -> float:

@@ -92,6 +92,8 @@ constexpr int GQA_RATIO = 1;
 constexpr bool VECTOR_RED = true;
 constexpr int DQ_PARTS = 1;  // the dQ accumulator is row-major (bwd_rows.cuh dq_offset)
 constexpr bool DQ_SWIZZLED = false;
+// Deterministic: key blocks add a query block's dQ in key order (bwd_rows.cuh wait_turn).
+constexpr bool DETERMINISTIC = false;
 constexpr int PREP_THREADS = 256;
 constexpr int DQ_THREADS = 256;
 }  // namespace cfg
@@ -112,6 +114,7 @@ struct BwdParams {
     float* lse2;  // (B, Hq, Sq_pad) LSE * log2(e), +inf for rows with no visible key (workspace)
     float* delta;  // (B, Hq, Sq_pad) rowsum(dO * O) - dLSE (workspace)
     float* igrad;  // (learnable inputs, B, Hq, key blocks) per-CTA sums of their gradients (workspace)
+    int* dq_turns;  // (B, Hq, Sq_pad / BLOCK_M) dQ parts added so far, with deterministic (workspace)
     int Sq;
     int Sk;
     int Hq;
@@ -151,7 +154,7 @@ struct BwdParams {
     int* mask_table;  // bounds per query block (workspace)
     int mask_rows;  // (batch x heads) entries the table is kept for
 };
-static_assert(sizeof(BwdParams) == 392, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(sizeof(BwdParams) == 400, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
 static_assert(alignof(BwdParams) == 8, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
 #ifndef __CUDACC_RTC__
 static_assert(__builtin_offsetof(BwdParams, q) == 0, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
@@ -168,44 +171,45 @@ static_assert(__builtin_offsetof(BwdParams, dq_acc) == 80, "host and device disa
 static_assert(__builtin_offsetof(BwdParams, lse2) == 88, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(BwdParams, delta) == 96, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(BwdParams, igrad) == 104, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, Sq) == 112, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, Sk) == 116, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, Hq) == 120, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, Sq_pad) == 124, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, q_sb) == 128, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, q_ss) == 136, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, q_sh) == 144, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, k_sb) == 152, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, k_ss) == 160, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, k_sh) == 168, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, v_sb) == 176, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, v_ss) == 184, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, v_sh) == 192, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, out_sb) == 200, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, out_ss) == 208, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, out_sh) == 216, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dout_sb) == 224, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dout_ss) == 232, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dout_sh) == 240, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dq_sb) == 248, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dq_ss) == 256, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dq_sh) == 264, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dk_sb) == 272, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dk_ss) == 280, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dk_sh) == 288, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dv_sb) == 296, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dv_ss) == 304, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, dv_sh) == 312, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, scale_log2) == 320, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, scale) == 324, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, in_doc) == 328, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, in_doc_s0) == 336, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, in_doc_s1) == 344, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, in_doc_n0) == 352, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, in_doc_n1) == 360, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, sum_doc) == 368, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, mask_table) == 376, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(BwdParams, mask_rows) == 384, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dq_turns) == 112, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, Sq) == 120, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, Sk) == 124, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, Hq) == 128, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, Sq_pad) == 132, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, q_sb) == 136, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, q_ss) == 144, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, q_sh) == 152, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, k_sb) == 160, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, k_ss) == 168, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, k_sh) == 176, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, v_sb) == 184, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, v_ss) == 192, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, v_sh) == 200, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, out_sb) == 208, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, out_ss) == 216, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, out_sh) == 224, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dout_sb) == 232, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dout_ss) == 240, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dout_sh) == 248, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dq_sb) == 256, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dq_ss) == 264, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dq_sh) == 272, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dk_sb) == 280, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dk_ss) == 288, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dk_sh) == 296, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dv_sb) == 304, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dv_ss) == 312, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, dv_sh) == 320, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, scale_log2) == 328, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, scale) == 332, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, in_doc) == 336, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, in_doc_s0) == 344, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, in_doc_s1) == 352, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, in_doc_n0) == 360, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, in_doc_n1) == 368, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, sum_doc) == 376, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, mask_table) == 384, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(BwdParams, mask_rows) == 392, "host and device disagree on BwdParams: see attngen/codegen/abi.py");
 #endif
 
 // Mask expr_49d10f34ac: doc[b, q_idx] == doc[b, kv_idx] and kv_idx <= q_idx + (kv_len - q_len)
@@ -520,7 +524,7 @@ __device__ __forceinline__ float finish_row(float max2, float sum, int q, int Sq
 // (init_input_grads, store_input_grads). Needs, from the rendered template: struct BwdParams,
 // score::INPUT_GRADS (attngen/cuda/score_mod.cuh.j2)
 // and namespace cfg { HEAD_DIM, BLOCK_M, IS_BF16, elem_t, VECTOR_RED, DQ_PARTS, DQ_SWIZZLED, PREP_THREADS,
-// DQ_THREADS }.
+// DQ_THREADS, DETERMINISTIC }. With DETERMINISTIC, wait_turn / pass_turn order the dQ additions.
 
 namespace bwd_rows {
 
@@ -582,6 +586,39 @@ __device__ __forceinline__ void add_dq(float* rows, int r0, int c0, const float 
     }
 }
 
+// -- deterministic dQ (attngen/families/bwd_shared.py): the key blocks that see a query block add
+// their dQ parts to it in key order. A key block's rank is its place in that order; the counter of
+// (batch, head, query block) holds how many parts were added.
+__device__ __forceinline__ int* dq_turn(const Params& p, int batch, int head, int m0) {
+    return p.dq_turns + ((i64)batch * p.Hq + head) * (p.Sq_pad / BLOCK_M) + m0 / BLOCK_M;
+}
+
+// Lane 0 of the calling warp waits until the key blocks ranked before this one added their parts;
+// __syncwarp then orders the warp's adds after that acquire. A key block waits only for lower
+// ones, which the grid (key blocks on y, in order) has already started: they never wait for it.
+// A wait of seconds means that broke: trap (a launch error) rather than hang.
+__device__ __forceinline__ void wait_turn(const int* turn, int rank) {
+    if (threadIdx.x % 32 == 0) {
+        for (int spins = 0;; ++spins) {
+            int seen;
+            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(turn) : "memory");
+            if (seen >= rank) break;
+            if (spins == (1 << 24)) __trap();
+            __nanosleep(64);
+        }
+    }
+    __syncwarp();
+}
+
+// After a CTA barrier that every warp's adds for `turn` precede: thread 0 makes them visible at GPU
+// scope (the fence is cumulative over what the barrier ordered before it), then counts the part.
+__device__ __forceinline__ void pass_turn(int* turn) {
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(turn, 1);
+    }
+}
+
 // Per query row (one warp each): delta = rowsum(dO * O) - dLSE, lse2 = LSE * log2(e) (+inf for a
 // row that saw no key: every P of it is then exp2(-inf) = 0), and the row's dQ accumulator zeroed.
 // Rows from Sq to Sq_pad get delta 0 and lse2 +inf, so the main kernel reads whole blocks.
@@ -590,6 +627,9 @@ __device__ __forceinline__ void prep(const Params& p) {
     const int row = blockIdx.x * (PREP_THREADS / 32) + warp, head = blockIdx.y, batch = blockIdx.z;
     if (row >= p.Sq_pad) return;
     const i64 flat = ((i64)batch * p.Hq + head) * p.Sq_pad + row;
+    if constexpr (DETERMINISTIC) {
+        if (lane == 0 && row % BLOCK_M == 0) *dq_turn(p, batch, head, row) = 0;
+    }
     float4* dq = reinterpret_cast<float4*>(p.dq_acc + flat * HEAD_DIM);
     for (int c = lane; c < HEAD_DIM / 4; c += 32) dq[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     float dot = 0.f, lse = (-__int_as_float(0x7f800000)), dlse = 0.f;
@@ -766,6 +806,7 @@ __device__ __forceinline__ void step_keep(u32 (&keep)[NT][2], const dropout::Rng
 struct Item {
     int head, m0;
     bool full;  // every (query, key) of the block and this CTA's keys is visible: no per-element mask
+    int rank;   // this key block's place among those the query block sees, in key order (DETERMINISTIC)
 };
 
 __device__ __forceinline__ void flash_bwd(const Params& p) {
@@ -799,10 +840,16 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
     auto item_at = [&](int it, bool& visible_here) {
         Item item;
         item.head = kv_head * GQA_RATIO + it / m_blocks;
-        item.m0 = (it % m_blocks) * BLOCK_M;
+        // DETERMINISTIC walks each head's query blocks last to first: every key block of a wave then
+        // reaches a query block at the same step, key block n - 1's turn just before n's. (First to
+        // last, key block n of a causal mask starts at the diagonal, which n - 1 reaches later: the
+        // waits would add up along the wave.)
+        item.m0 = (DETERMINISTIC ? m_blocks - 1 - it % m_blocks : it % m_blocks) * BLOCK_M;
         const mask::Bounds b = mask::bounds(item.m0, min(item.m0 + BLOCK_M, Sq), Sq, Sk, batch, item.head, p);
         visible_here = b.kv_begin < b.kv_end && b.kv_begin < n1 && b.kv_end > n0;
         item.full = n0 >= b.full_begin && n0 + BLOCK_N <= b.full_end;
+        // The key blocks a query block sees are those meeting [kv_begin, kv_end): consecutive.
+        item.rank = n_block - b.kv_begin / BLOCK_N;
         return item;
     };
     auto next_visible = [&](int it) {
@@ -854,6 +901,7 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
     int cur = next_visible(0);
     if (cur < items) load_item(cur, 0);
     int stage = 0;
+    int* added_turn = nullptr;  // DETERMINISTIC: the counter of the query block whose dQ parts were just added
 #pragma unroll 1
     while (cur < items) {
         bool unused;
@@ -865,6 +913,9 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
         const int next = next_visible(cur + 1);
         cp_async_wait<0>();
         __syncthreads();  // this block's Q/dO landed; every warp is done with the previous block
+        if constexpr (DETERMINISTIC) {
+            if (added_turn != nullptr) bwd_rows::pass_turn(added_turn);  // every warp's adds precede the barrier
+        }
         if constexpr (NUM_STAGES == 2) {
             if (next < items) load_item(next, stage ^ 1);  // overlaps this block's compute
         }
@@ -1012,6 +1063,8 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
         // dQ += dS K for the block's rows, added to the fp32 accumulator: items of DQ_MT m16 tiles of
         // rows by DQ_N columns, each B fragment of K used for every m16 tile.
         float* dq_rows = p.dq_acc + (((i64)batch * p.Hq + item.head) * p.Sq_pad + item.m0) * HEAD_DIM;
+        if constexpr (DETERMINISTIC) added_turn = bwd_rows::dq_turn(p, batch, item.head, item.m0);
+        bool my_turn = !DETERMINISTIC;
 #pragma unroll 1
         for (int w = warp; w < DQ_ITEMS; w += NUM_WARPS) {
             const int mq = w / (HEAD_DIM / DQ_N) * DQ_MT, d0 = (w % (HEAD_DIM / DQ_N)) * DQ_N;
@@ -1039,6 +1092,10 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
                     }
                 }
             }
+            if (!my_turn) {  // each warp before its first add, after its GEMM: a late turn costs less
+                bwd_rows::wait_turn(added_turn, item.rank);
+                my_turn = true;
+            }
 #pragma unroll
             for (int mt = 0; mt < DQ_MT; ++mt)
 #pragma unroll
@@ -1064,6 +1121,9 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
     // are full 16-byte rows. Keys no query sees get zeros.
     cp_async_wait<0>();
     __syncthreads();  // every warp is done reading K for dQ
+    if constexpr (DETERMINISTIC) {
+        if (added_turn != nullptr) bwd_rows::pass_turn(added_turn);
+    }
 #ifdef ATTNGEN_DROPOUT
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)

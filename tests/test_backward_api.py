@@ -231,6 +231,32 @@ def test_a_pinned_backward_family_leaves_the_forward_its_own_choice():
         assert forward_part(spec) is spec
 
 
+def test_deterministic_goes_into_the_key_from_the_argument_or_torchs_setting():
+    q, k = torch.empty(2, 64, 8, 64, dtype=torch.bfloat16), torch.empty(2, 64, 2, 64, dtype=torch.bfloat16)
+    expected = AttentionSpec(head_dim=64, gqa_ratio=4, mask="causal", deterministic=True)
+    assert api._spec_key(q, k, None, "causal", deterministic=True) == expected.key()
+    assert api._spec_key(q, k, None, "causal", None, None, 0.1, True) == expected.replace(dropout_p=0.1).key()
+    assert api._deterministic(torch, None, None) is False
+    assert api._deterministic(torch, True, None) is True
+    with pytest.raises(ValueError, match="deterministic='yes' is invalid; allowed: None, True, False"):
+        api._deterministic(torch, "yes", None)
+    with pytest.raises(ValueError, match="deterministic=True conflicts with the spec's deterministic=False"):
+        api._spec_key(q, k, SPEC, None, deterministic=True)
+    assert api._spec_key(q, k, expected, None, deterministic=False) == expected.key()  # the spec's applies
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert api._deterministic(torch, None, None) is True
+        assert api._deterministic(torch, None, expected) is True
+        with pytest.raises(RuntimeError, match="order-dependent .* allowed: a spec with deterministic=True"):
+            api._deterministic(torch, None, SPEC)
+        assert api._deterministic(torch, False, SPEC) is False  # asked for explicitly
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match="order-dependent"):
+            assert api._deterministic(torch, None, SPEC) is False
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_a_problem_no_backward_family_runs_says_why():
     with pytest.raises(SpecError, match="no backward kernel family can run .*head_dim 256"):
         backward_plan(AttentionSpec(head_dim=256), H100)

@@ -106,6 +106,33 @@ def test_the_workspace_is_padded_to_whole_query_blocks_and_aligned():
     assert FAMILY.workspace_bytes(plan, c) == ws.total
 
 
+def test_deterministic_adds_a_counter_per_query_block_and_its_own_kernel_name():
+    """deterministic (bwd_shared.py): one int32 counter per (batch, head, query block) after the
+    other arrays, zeroed by prep; the kernel waits for its turn before adding dQ; the name says _det."""
+    base = AttentionSpec(head_dim=128, gqa_ratio=4, mask="causal")
+    det = base.replace(deterministic=True)
+    plain, ordered = (FAMILY.plan(s.problem, H100, BwdConfig(64, 128, 8, 2)) for s in (base, det))
+    assert ordered.name == plain.name.replace("_bf16_", "_bf16_det_") and ordered.name != plain.name
+    c = call()
+    ws, ws_det = Workspace.of(plain, c), Workspace.of(ordered, c)
+    assert ws_det.dq_turns % ALIGN == 0 and ws_det.total - ws_det.dq_turns >= 2 * 8 * (128 // 64) * 4
+    assert ws.total == ws.dq_turns  # none without it
+    source, plain_source = FAMILY.render(ordered), FAMILY.render(plain)
+    assert "constexpr bool DETERMINISTIC = true;" in source
+    assert "constexpr bool DETERMINISTIC = false;" in plain_source
+
+
+def test_the_hopper_backward_refuses_deterministic_and_the_mma_sync_one_runs_it():
+    from attngen.runtime.backward import backward_plan
+
+    spec = AttentionSpec(head_dim=128, gqa_ratio=4, mask="causal", deterministic=True)
+    assert "unordered" in BACKWARD_FAMILIES["bwd_sm90"].supports(spec.problem, H100)
+    plan = backward_plan(spec, H100)
+    assert plan.family == "bwd_sm80" and "_det_" in plan.name
+    with pytest.raises(SpecError, match="family='bwd_sm90' cannot run .*unordered"):
+        backward_plan(spec.replace(family="bwd_sm90"), H100)
+
+
 def test_a_mask_table_comes_first_in_the_workspace_and_the_launches():
     spec = AttentionSpec(head_dim=128, gqa_ratio=4, mask="doc[b, q_idx] == doc[b, kv_idx] and causal")
     plan = FAMILY.plan(spec.problem, H100, FAMILY.default_config(spec.problem, H100))
@@ -143,6 +170,8 @@ CASES = [
     AttentionSpec(head_dim=128, mask="causal", score_mod="softcap(30.0)"),
     AttentionSpec(head_dim=128, mask="doc[b, q_idx] == doc[b, kv_idx] and causal"),
     AttentionSpec(head_dim=64, mask="sliding_window(64, 0)", sink="sinks[h]"),
+    AttentionSpec(head_dim=128, gqa_ratio=4, mask="causal", deterministic=True),
+    AttentionSpec(head_dim=64, mask="doc[b, q_idx] == doc[b, kv_idx] and causal", deterministic=True, dropout_p=0.1),
 ]
 
 

@@ -267,7 +267,8 @@ BAD_VALUES = {
 }
 # Which set a message must name as allowed (an element of it, at least).
 ALLOWED_EXAMPLE = {"head_dim": "128", "dtype": "bf16", "gqa_ratio": str(MAX_GQA_RATIO), "mask": "causal",
-                   "softmax_scale": "1/sqrt(head_dim)", "arch": "sm_90a", "family": "fwd_sm80"}
+                   "softmax_scale": "1/sqrt(head_dim)", "arch": "sm_90a", "family": "fwd_sm80",
+                   "deterministic": "true, false"}
 
 
 def assert_names(err: SpecError, field: str, value, source: str | None = None):
@@ -293,6 +294,19 @@ def test_wrong_type_says_must_be_an_integer(field, value):
     with pytest.raises(SpecError, match="must be an integer") as info:
         AttentionSpec(**{"head_dim": 64, field: value})
     assert_names(info.value, field, value)
+
+
+@pytest.mark.parametrize("value", ["true", 1, None])
+def test_deterministic_must_be_a_bool(value):
+    with pytest.raises(SpecError, match="must be true or false.*allowed: true, false") as info:
+        AttentionSpec(head_dim=64, deterministic=value)
+    assert_names(info.value, "deterministic", value)
+
+
+def test_deterministic_is_in_the_key_only_when_true():
+    assert "deterministic" not in AttentionSpec(head_dim=64).key()
+    spec = AttentionSpec(head_dim=64, deterministic=True)
+    assert AttentionSpec.from_key(spec.key()) == spec and spec.problem.deterministic
 
 
 def test_scale_of_the_wrong_type_says_must_be_a_number():

@@ -5,7 +5,7 @@
 // (init_input_grads, store_input_grads). Needs, from the rendered template: struct BwdParams,
 // score::INPUT_GRADS (attngen/cuda/score_mod.cuh.j2)
 // and namespace cfg { HEAD_DIM, BLOCK_M, IS_BF16, elem_t, VECTOR_RED, DQ_PARTS, DQ_SWIZZLED, PREP_THREADS,
-// DQ_THREADS }.
+// DQ_THREADS, DETERMINISTIC }. With DETERMINISTIC, wait_turn / pass_turn order the dQ additions.
 
 namespace bwd_rows {
 
@@ -67,6 +67,39 @@ __device__ __forceinline__ void add_dq(float* rows, int r0, int c0, const float 
     }
 }
 
+// -- deterministic dQ (attngen/families/bwd_shared.py): the key blocks that see a query block add
+// their dQ parts to it in key order. A key block's rank is its place in that order; the counter of
+// (batch, head, query block) holds how many parts were added.
+__device__ __forceinline__ int* dq_turn(const Params& p, int batch, int head, int m0) {
+    return p.dq_turns + ((i64)batch * p.Hq + head) * (p.Sq_pad / BLOCK_M) + m0 / BLOCK_M;
+}
+
+// Lane 0 of the calling warp waits until the key blocks ranked before this one added their parts;
+// __syncwarp then orders the warp's adds after that acquire. A key block waits only for lower
+// ones, which the grid (key blocks on y, in order) has already started: they never wait for it.
+// A wait of seconds means that broke: trap (a launch error) rather than hang.
+__device__ __forceinline__ void wait_turn(const int* turn, int rank) {
+    if (threadIdx.x % 32 == 0) {
+        for (int spins = 0;; ++spins) {
+            int seen;
+            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(turn) : "memory");
+            if (seen >= rank) break;
+            if (spins == (1 << 24)) __trap();
+            __nanosleep(64);
+        }
+    }
+    __syncwarp();
+}
+
+// After a CTA barrier that every warp's adds for `turn` precede: thread 0 makes them visible at GPU
+// scope (the fence is cumulative over what the barrier ordered before it), then counts the part.
+__device__ __forceinline__ void pass_turn(int* turn) {
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(turn, 1);
+    }
+}
+
 // Per query row (one warp each): delta = rowsum(dO * O) - dLSE, lse2 = LSE * log2(e) (+inf for a
 // row that saw no key: every P of it is then exp2(-inf) = 0), and the row's dQ accumulator zeroed.
 // Rows from Sq to Sq_pad get delta 0 and lse2 +inf, so the main kernel reads whole blocks.
@@ -75,6 +108,9 @@ __device__ __forceinline__ void prep(const Params& p) {
     const int row = blockIdx.x * (PREP_THREADS / 32) + warp, head = blockIdx.y, batch = blockIdx.z;
     if (row >= p.Sq_pad) return;
     const i64 flat = ((i64)batch * p.Hq + head) * p.Sq_pad + row;
+    if constexpr (DETERMINISTIC) {
+        if (lane == 0 && row % BLOCK_M == 0) *dq_turn(p, batch, head, row) = 0;
+    }
     float4* dq = reinterpret_cast<float4*>(p.dq_acc + flat * HEAD_DIM);
     for (int c = lane; c < HEAD_DIM / 4; c += 32) dq[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     float dot = 0.f, lse = (-__int_as_float(0x7f800000)), dlse = 0.f;

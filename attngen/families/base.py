@@ -377,5 +377,8 @@ class KernelFamily(ABC):
     def plan_name(self, problem: Problem, target: Target, config: Config, fault: str | None = None) -> str:
         """The canonical name: family, problem, config and target, e.g.
         fwd_sm80_causal_d128_gqa4_bf16_m128n64w4s2_sm90a."""
-        name = f"{self.name}_{problem.label()}_{config.label()}_{target.label}"
+        # Deterministic changes only what a backward family emits (forward kernels are deterministic
+        # anyway, so a deterministic spec's forward shares the usual kernel).
+        det = "_det" if problem.deterministic and self.operation == "backward" else ""
+        name = f"{self.name}_{problem.label()}{det}_{config.label()}_{target.label}"
         return name if fault is None else f"{name}_fault_{fault}"

@@ -8,6 +8,12 @@ A backward call runs, after the mask's table kernels (attngen/mask_table.py):
   main   the family's own kernel: dK, dV, and dQ added to the fp32 accumulator;
   dq     the accumulator converted to dQ's dtype and layout.
 
+With `deterministic` (bwd_sm80 only), each (batch, head, query block) has a counter in the
+workspace (zeroed by prep): the key blocks that see the query block add their dQ parts one after
+another in key order, each waiting until the counter says the previous ones are done
+(bwd_rows.cuh wait_turn / pass_turn), so every dQ element is the same fp32 sum in the same order
+on every run.
+
 Runtime inputs of the score modifier that it reads at `[h]` alone (a learned per-head bias, ALiBi
 slopes: `learnable_inputs`) get gradients: the main kernel sums dL/dmodified * d modifier / d input
 over each CTA's elements of a head, in a fixed order, into one float per (input, batch, head, key
@@ -96,6 +102,7 @@ class Workspace:
     total: int
     igrad: int = 0  # (learnable inputs, B, Hq, key blocks) fp32: per-CTA sums of the inputs' gradients
     key_blocks: int = 0
+    dq_turns: int = 0  # (B, Hq, Sq_pad / block_m) int32 with `deterministic`: dQ parts added so far
 
     @classmethod
     def of(cls, plan: ForwardPlan, call: BackwardCall) -> "Workspace":
@@ -108,7 +115,9 @@ class Workspace:
         igrad = delta + _aligned(rows * 4)
         key_blocks = -(-call.seq_k // plan.block_n)
         sums = len(learnable_inputs(plan.problem)) * call.batch * call.heads_q * key_blocks
-        return cls(dq_acc, lse2, delta, sq_pad, igrad + _aligned(sums * 4), igrad, key_blocks)
+        dq_turns = igrad + _aligned(sums * 4)
+        turns = call.batch * call.heads_q * (sq_pad // plan.block_m) if plan.problem.deterministic else 0
+        return cls(dq_acc, lse2, delta, sq_pad, dq_turns + _aligned(turns * 4), igrad, key_blocks, dq_turns)
 
 
 @dataclass(frozen=True)
@@ -147,6 +156,8 @@ ARGUMENTS = Abi("BwdParams", [
           "(B, Hq, Sq_pad) rowsum(dO * O) - dLSE (workspace)"),
     Param("igrad", "float*", "ptr", lambda a: a.call.workspace + a.workspace.igrad,
           "(learnable inputs, B, Hq, key blocks) per-CTA sums of their gradients (workspace)"),
+    Param("dq_turns", "int*", "ptr", lambda a: a.call.workspace + a.workspace.dq_turns,
+          "(B, Hq, Sq_pad / BLOCK_M) dQ parts added so far, with deterministic (workspace)"),
     Param("Sq", "int", "i32", lambda a: a.call.seq_q),
     Param("Sk", "int", "i32", lambda a: a.call.seq_k),
     Param("Hq", "int", "i32", lambda a: a.call.heads_q),

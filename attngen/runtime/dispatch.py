@@ -142,9 +142,13 @@ def _bucket(n: int) -> int:
 
 def forward_part(spec: AttentionSpec) -> AttentionSpec:
     """The spec the forward runs: one pinning a backward family (and its config) pins the backward
-    alone (attngen/runtime/backward.py backward_plan), so the forward picks its own family."""
+    alone (attngen/runtime/backward.py backward_plan), so the forward picks its own family; and
+    `deterministic` asks only the backward for something (forward kernels are deterministic), so
+    the forward runs the very kernel it runs without it."""
     if spec.family is not None and spec.family in families.BACKWARD_FAMILIES:
-        return dataclasses.replace(spec, family=None, config=None)
+        spec = dataclasses.replace(spec, family=None, config=None)
+    if spec.deterministic:
+        spec = dataclasses.replace(spec, deterministic=False)
     return spec
 
 

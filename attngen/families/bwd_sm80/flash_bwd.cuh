@@ -83,6 +83,7 @@ __device__ __forceinline__ void step_keep(u32 (&keep)[NT][2], const dropout::Rng
 struct Item {
     int head, m0;
     bool full;  // every (query, key) of the block and this CTA's keys is visible: no per-element mask
+    int rank;   // this key block's place among those the query block sees, in key order (DETERMINISTIC)
 };
 
 __device__ __forceinline__ void flash_bwd(const Params& p) {
@@ -116,10 +117,16 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
     auto item_at = [&](int it, bool& visible_here) {
         Item item;
         item.head = kv_head * GQA_RATIO + it / m_blocks;
-        item.m0 = (it % m_blocks) * BLOCK_M;
+        // DETERMINISTIC walks each head's query blocks last to first: every key block of a wave then
+        // reaches a query block at the same step, key block n - 1's turn just before n's. (First to
+        // last, key block n of a causal mask starts at the diagonal, which n - 1 reaches later: the
+        // waits would add up along the wave.)
+        item.m0 = (DETERMINISTIC ? m_blocks - 1 - it % m_blocks : it % m_blocks) * BLOCK_M;
         const mask::Bounds b = mask::bounds(item.m0, min(item.m0 + BLOCK_M, Sq), Sq, Sk, batch, item.head, p);
         visible_here = b.kv_begin < b.kv_end && b.kv_begin < n1 && b.kv_end > n0;
         item.full = n0 >= b.full_begin && n0 + BLOCK_N <= b.full_end;
+        // The key blocks a query block sees are those meeting [kv_begin, kv_end): consecutive.
+        item.rank = n_block - b.kv_begin / BLOCK_N;
         return item;
     };
     auto next_visible = [&](int it) {
@@ -171,6 +178,7 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
     int cur = next_visible(0);
     if (cur < items) load_item(cur, 0);
     int stage = 0;
+    int* added_turn = nullptr;  // DETERMINISTIC: the counter of the query block whose dQ parts were just added
 #pragma unroll 1
     while (cur < items) {
         bool unused;
@@ -182,6 +190,9 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
         const int next = next_visible(cur + 1);
         cp_async_wait<0>();
         __syncthreads();  // this block's Q/dO landed; every warp is done with the previous block
+        if constexpr (DETERMINISTIC) {
+            if (added_turn != nullptr) bwd_rows::pass_turn(added_turn);  // every warp's adds precede the barrier
+        }
         if constexpr (NUM_STAGES == 2) {
             if (next < items) load_item(next, stage ^ 1);  // overlaps this block's compute
         }
@@ -329,6 +340,8 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
         // dQ += dS K for the block's rows, added to the fp32 accumulator: items of DQ_MT m16 tiles of
         // rows by DQ_N columns, each B fragment of K used for every m16 tile.
         float* dq_rows = p.dq_acc + (((i64)batch * p.Hq + item.head) * p.Sq_pad + item.m0) * HEAD_DIM;
+        if constexpr (DETERMINISTIC) added_turn = bwd_rows::dq_turn(p, batch, item.head, item.m0);
+        bool my_turn = !DETERMINISTIC;
 #pragma unroll 1
         for (int w = warp; w < DQ_ITEMS; w += NUM_WARPS) {
             const int mq = w / (HEAD_DIM / DQ_N) * DQ_MT, d0 = (w % (HEAD_DIM / DQ_N)) * DQ_N;
@@ -356,6 +369,10 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
                     }
                 }
             }
+            if (!my_turn) {  // each warp before its first add, after its GEMM: a late turn costs less
+                bwd_rows::wait_turn(added_turn, item.rank);
+                my_turn = true;
+            }
 #pragma unroll
             for (int mt = 0; mt < DQ_MT; ++mt)
 #pragma unroll
@@ -381,6 +398,9 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
     // are full 16-byte rows. Keys no query sees get zeros.
     cp_async_wait<0>();
     __syncthreads();  // every warp is done reading K for dQ
+    if constexpr (DETERMINISTIC) {
+        if (added_turn != nullptr) bwd_rows::pass_turn(added_turn);
+    }
 #ifdef ATTNGEN_DROPOUT
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)

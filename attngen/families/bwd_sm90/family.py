@@ -97,6 +97,8 @@ class Sm90Backward(KernelFamily):
             return f"head_dim {problem.head_dim} is not one of {HEAD_DIMS}"
         if getattr(problem, "dropout_p", 0.0):
             return "dropout is not built into this family yet"
+        if problem.deterministic:
+            return "its dQ bulk reductions are unordered (deterministic: bwd_sm80 orders its dQ sums)"
         return mask_problem(problem)
 
     def configs(self, problem: Problem, target: Target, pinned: Mapping[str, Any] | None = None) -> list[Sm90BwdConfig]:
