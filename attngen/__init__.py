@@ -1,6 +1,7 @@
 """attngen: FlashAttention kernels compiled from declarative specs.
 
     attngen.attention(q, k, v, mask="causal")          # the front door (a torch custom op)
+    attngen.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, mask="causal")  # packed sequences
     attngen.decode(q, k_cache, v_cache, cache_seqlens, page_table=pages)  # decoding over a (paged) KV cache
     attngen.AttentionSpec(head_dim=128, mask="causal")  # pin everything: problem, family, config, arch
     attngen.compile(spec)                               # a loaded kernel for the current GPU
@@ -13,8 +14,10 @@ from attngen.api import attention, register
 from attngen.decoding import append_kv, decode
 from attngen.errors import CompileError, MissingDependency, SpecError
 from attngen.spec import AttentionSpec, Problem, load_spec
+from attngen.varlen import attention_varlen
 
 __all__ = ["AttentionSpec", "CompileError", "MissingDependency", "Problem", "SpecError", "append_kv", "attention",
+           "attention_varlen",
            "compile", "decode", "families", "load_spec", "reference", "register"]
 __version__ = "0.2.0"
 

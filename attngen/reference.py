@@ -172,7 +172,8 @@ def attention_grads(
     and attngen/tolerance.py bounds their errors with, grouped by kv head: (B, Hkv, ratio, Sq, Sk)
     for "S" (scale * q.k), "Z" (modified and masked, -inf where hidden), "visible" (bool), "P",
     "dP" (dout . v), "g1" and "g2" (the modifier's first and second derivatives in the score, by
-    autograd; None without a modifier) and "dS" = P * (dP - D) * g1 * scale; (B, Hkv, ratio, Sq)
+    autograd; None without a modifier), "g1_err" (a bound on the kernels' fp32 evaluation error of
+    g1's expression at the exact score: maskc/dense.py evaluation_error) and "dS" = P * (dP - D) * g1 * scale; (B, Hkv, ratio, Sq)
     for "lse" (float64, sink included), "D" (rowsum(dout * out) - dlse), "sinks" and "psink"
     (exp(sink - lse); None without a sink); "out" (B, Hkv, ratio, Sq, D); "jacobian"[name]: d
     sinks / d inputs[name], (B, Hkv, ratio, Sq, *shape); and "scale", "ratio". The dense pieces
@@ -229,9 +230,12 @@ def attention_grads(
         delta = (dog * og).sum(-1)
         if dlse64 is not None:
             delta = delta - dlse64.reshape(B, Hkv, ratio, Sq)
-        g1 = g2 = None
+        g1 = g2 = g1_err = None
         if modifier is not None:
             g1, g2 = _modifier_derivatives(modifier, dense, Sq, Sk, plain)
+            q_idx, kv_idx, b, h = dense.index
+            g1_err = torch.broadcast_to(modifier.program.derivative().dense_error(
+                dense.raw.detach(), q_idx, kv_idx, Sq, Sk, b=b, h=h, inputs=plain), g1.shape)
         dS = P * (dP - delta[..., None]) * (1.0 if g1 is None else g1) * scale
         psink = None
         if dense.sinks is not None:
@@ -244,7 +248,7 @@ def attention_grads(
             jacobian[name] = _sink_jacobian(sink, leaf.detach(), name, plain, dense, Sq, Sk)
     parts = {
         "scale": scale, "ratio": ratio, "S": dense.raw, "Z": dense.scores, "visible": dense.visible, "P": P,
-        "dP": dP, "g1": g1, "g2": g2, "dS": dS, "lse": dense.lse, "D": delta, "sinks": dense.sinks,
+        "dP": dP, "g1": g1, "g2": g2, "g1_err": g1_err, "dS": dS, "lse": dense.lse, "D": delta, "sinks": dense.sinks,
         "psink": psink, "out": og, "jacobian": jacobian, "dmod": dmod, "dinputs": dict(zip(leaves, grads[3:])),
         "W": drop,
         "keep_scale": dropout.keep_scale(dropout_p),
@@ -297,6 +301,33 @@ def _sink_jacobian(sink, x, name, inputs, dense, Sq: int, Sk: int):
         return torch.broadcast_to(logits, shape)
 
     return torch.autograd.functional.jacobian(sinks, x, vectorize=True, strategy="forward-mode")
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, mask: str = "none", score_mod: str | None = None,
+                     sink: str | None = None, inputs: dict | None = None, softmax_scale: float | None = None,
+                     compute_dtype: torch.dtype = torch.float64):
+    """attngen.attention_varlen one sequence at a time: attention() of each sequence's rows and keys as
+    a batch of 1, the mask, modifier and sink in that sequence's own positions; (out (total_q,
+    heads_q, head_dim), lse (heads_q, total_q)). Runtime inputs must not depend on the position
+    (per-head ones such as slope[h] or sinks[h]). Rows of a sequence without keys, and rows past
+    cu_seqlens_q[-1], give 0 and -inf (the sink's logit for the former, with a sink)."""
+    total_q, Hq, D = q.shape
+    out = torch.zeros(total_q, Hq, D, dtype=q.dtype, device=q.device)
+    lse = torch.full((Hq, total_q), -math.inf, dtype=torch.float32, device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[i], cq[i + 1], ck[i], ck[i + 1]
+        if q1 == q0:
+            continue
+        if k1 == k0:  # no key: one stand-in key that nothing sees, so the sink (if any) sets the LSE
+            keys = k[:1] * 0
+            seq_mask, keys_v = "kv_idx < 0", v[:1] * 0
+        else:
+            keys, keys_v, seq_mask = k[k0:k1], v[k0:k1], mask
+        o, l_ = attention(q[None, q0:q1], keys[None], keys_v[None], mask=seq_mask, score_mod=score_mod, sink=sink,
+                          inputs=inputs, softmax_scale=softmax_scale, return_lse=True, compute_dtype=compute_dtype)
+        out[q0:q1], lse[:, q0:q1] = o[0], l_[0]
+    return out, lse
 
 
 def gather_cache(cache: torch.Tensor, page_table: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:

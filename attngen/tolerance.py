@@ -49,8 +49,11 @@ of dK, dV and of dQ; an fp32 sum of N terms errs by at most N eps32 times their 
    (check_grads holds O' to check_output's bound first). Bounding it by that bound instead, as
    sum_d |dO| * 2u (|O| + max|v|), would exceed |D| itself: a kernel dropping D would pass.
 4. dP. dP' = fl32(dO_i . v_j): |dP' - dP| <= ddP_ij = d eps32 sum_d |dO_id v_jd|.
-5. g1, at the kernel's fp32 score: |g1' - g1| <= dg = |g2| (ds + eps32 |S|) + 4 eps32 |g1|
-   (0 without a modifier; the modifier's value error is in e above).
+5. g1, at the kernel's fp32 score: |g1' - g1| <= dg = |g2| (ds + eps32 |S|) + 4 eps32 |g1| + eg
+   (0 without a modifier; the modifier's value error is in e above), eg the fp32 evaluation error of
+   g1's expression at the exact score, bounded op by op (attngen/maskc/dense.py evaluation_error): it
+   is absolute where the expression cancels, e.g. softcap's 1 - tanh^2 near saturation, ~1e-7 while
+   g1 itself may be 1e-17 (`attngen fuzz` found that on the H100).
 6. dS. dS' = dtype(fl32(P' (dP' - D') g1' scale)): pre = eta |dS| + phi scale |dP - D| (|g1| + dg)
    + ((1 + eta) P + phi) scale ((ddP + dD)(|g1| + dg) + |dP - D| dg), plus 4 eps32 (|dS| + pre) for
    the fp32 products;
@@ -250,6 +253,8 @@ def grad_bounds(ref_grads, q, k, v, out, dout, dtype: str, scale: float, *, lse=
         dg = torch.zeros_like(P)
     else:
         dg = parts["g2"].abs() * SAFETY * (ds + EPS32 * parts["S"].abs()) + 4 * e32 * g1a
+        if parts.get("g1_err") is not None:
+            dg = dg + SAFETY * parts["g1_err"]
 
     # 6. dS (scale included).
     dS_abs = dS.abs()

@@ -89,3 +89,53 @@ def broadcast_result(result: torch.Tensor, env: DenseEnv) -> torch.Tensor:
     """The result at the broadcast shape of all variables, even where the expression ignores some."""
     shape = torch.broadcast_shapes(result.shape, *(v.shape for v in env.values.values()))
     return result if result.shape == shape else result.expand(shape).clone()
+
+
+# -- fp32 evaluation error (attngen/tolerance.py: the kernels evaluate a modifier's derivative) ------
+U32 = 2.0**-24  # fp32 unit roundoff: one rounded operation
+FAST_MATH = 2.0**-21  # the kernels' ex2.approx / lg2.approx: 2 ulp relative (tanh builds on them)
+
+
+def evaluation_error(node: Node, env: DenseEnv) -> tuple[torch.Tensor, torch.Tensor]:
+    """(value, bound) of a float expression computed as the kernels do, in fp32 one rounding per
+    operation, from exact variables and inputs (float64 env): a first-order running error bound.
+    Integer and boolean parts are exact (conditions are taken as the exact ones); the score's own
+    error is the caller's (it propagates through the derivative in the score)."""
+    if node.type is not Type.FLOAT or isinstance(node, (Var, Input)):
+        value = evaluate(node, env)
+        return value, torch.zeros((), dtype=torch.float64, device=env.device)
+    if isinstance(node, Const):  # a float literal rounded to fp32
+        value = evaluate(node, env)
+        return value, U32 * value.abs()
+    op = node.op
+    if op == "to_float":
+        value = evaluate(node, env)
+        return value, U32 * value.abs() * (value.abs() >= 2.0**24)  # exact below 2^24
+    if op == "where":
+        cond = evaluate(node.args[0], env)
+        (a, ea), (b, eb) = (evaluation_error(x, env) for x in node.args[1:])
+        return torch.where(cond, a, b), torch.where(cond, ea, eb)
+    parts = [evaluation_error(a, env) for a in node.args]
+    values = [p[0] for p in parts]
+    errs = [p[1] for p in parts]
+    r = evaluate(node, env)
+    ra = r.abs()
+    if op in ("add", "sub"):
+        return r, errs[0] + errs[1] + U32 * ra
+    if op == "mul":
+        return r, values[0].abs() * errs[1] + values[1].abs() * errs[0] + U32 * ra
+    if op == "truediv":
+        return r, (errs[0] + ra * errs[1]) / values[1].abs() + 2 * U32 * ra
+    if op in ("neg", "abs"):
+        return r, errs[0]
+    if op in ("min", "max"):
+        return r, functools.reduce(torch.maximum, errs)
+    if op == "tanh":  # 1 - 2 / (e^2x + 1) with fast exponentials, or a polynomial: a few ulp
+        return r, (1 - r * r) * errs[0] + 4 * U32 * ra + FAST_MATH * (1 - ra)
+    if op == "exp":
+        return r, ra * (errs[0] + FAST_MATH + 2 * U32 * values[0].abs())
+    if op == "log":
+        return r, errs[0] / values[0].abs() + FAST_MATH * torch.clamp(ra, min=1.0)
+    if op == "sqrt":
+        return r, errs[0] / (2 * torch.clamp(ra, min=1e-300)) + 2 * U32 * ra
+    raise ValueError(f"no error rule for op {op!r}")

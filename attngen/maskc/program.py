@@ -80,6 +80,18 @@ class ScoreModProgram:
         env = dense.make_env(variables, inputs, score.dtype)
         return dense.broadcast_result(dense.evaluate(self.ir, env), env)
 
+    def dense_error(self, score, q_idx, kv_idx, q_len, kv_len, b=0, h=0, inputs=None):
+        """A bound on |the kernels' fp32 value - the exact value| of the expression at exact (float64)
+        arguments (dense.evaluation_error), broadcast like dense()."""
+        import torch
+
+        from attngen.maskc import dense
+
+        variables = {"score": torch.as_tensor(score, dtype=torch.float64), "q_idx": q_idx, "kv_idx": kv_idx,
+                     "q_len": q_len, "kv_len": kv_len, "b": b, "h": h}
+        env = dense.make_env(variables, inputs, torch.float64)
+        return dense.broadcast_result(dense.evaluation_error(self.ir, env)[1].to(torch.float64), env)
+
     def cuda_expr(self, input_ref: cuda.InputRef | None = None) -> str:
         """A C++ float expression over float score and long long q_idx, kv_idx, q_len, kv_len, b, h."""
         return cuda.point_code(self.ir, input_ref)

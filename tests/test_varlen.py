@@ -1,0 +1,143 @@
+"""attngen.attention_varlen without a GPU (attngen/varlen.py): the packed problem it hands to
+attention() (the document mask and the caller's expressions rewritten into per-sequence positions,
+read from arrays built from cu_seqlens) computes, in the float64 reference, exactly what attention
+of each sequence on its own computes; bad arguments are named."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attngen import api, reference, varlen
+
+MASKS = ["none", "causal", "sliding_window(3, 1)", "chunked(4)", "kv_idx % 2 == 0 or causal", "prefix_lm(2)",
+         "q_idx - kv_idx < 5 and causal"]
+MODIFIERS = [None, "softcap(5.0)", "alibi", "score * where(q_len > 3, 1.0, 0.5)"]
+
+
+def packed(lengths_q, lengths_k, Hq=4, Hkv=2, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tq, tk = sum(lengths_q), sum(lengths_k)
+    q = torch.randn(tq, Hq, D, generator=g).to(torch.bfloat16)
+    k = torch.randn(tk, Hkv, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(tk, Hkv, D, generator=g).to(torch.bfloat16)
+    cu = [torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+          for lengths in (lengths_q, lengths_k)]
+    inputs = {"slope": torch.linspace(0.1, 0.9, Hq), "sinks": torch.linspace(-1.0, 2.0, Hq)}
+    return q, k, v, cu[0], cu[1], inputs
+
+
+def lowered_reference(q, k, v, cu_q, cu_k, mask, score_mod, sink, inputs):
+    """What attention_varlen asks attention() for, computed by the float64 reference."""
+    texts = varlen.lowered(mask, score_mod, sink)
+    ours = varlen.varlen_inputs(*texts, q, k, cu_q, cu_k)
+    wanted = {**{n: t for n, t in inputs.items() if (n == "slope" and score_mod == "alibi") or (n == "sinks" and sink)},
+              **ours}
+    out, lse = reference.attention(q[None], k[None], v[None], mask=texts[0], score_mod=texts[1], sink=texts[2],
+                                   inputs=wanted, return_lse=True)
+    return out[0], lse[0]
+
+
+def per_sequence(q, k, v, cu_q, cu_k, mask, score_mod, sink, inputs):
+    return reference.attention_varlen(q, k, v, cu_q, cu_k, mask=mask, score_mod=score_mod, sink=sink, inputs=inputs)
+
+
+def assert_same(a, b):
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    assert torch.equal(torch.isinf(lse_a), torch.isinf(lse_b))
+    finite = torch.isfinite(lse_b)
+    assert torch.allclose(lse_a[finite], lse_b[finite], atol=1e-5, rtol=0)
+    assert torch.allclose(out_a.float(), out_b.float(), atol=1e-2, rtol=0)  # both rounded to bf16 once
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("score_mod", MODIFIERS)
+def test_the_packed_problem_is_each_sequence_on_its_own(mask, score_mod):
+    lengths_q, lengths_k = [5, 0, 1, 9, 3, 12], [7, 4, 1, 9, 0, 10]  # empty sequences on either side
+    q, k, v, cu_q, cu_k, inputs = packed(lengths_q, lengths_k, seed=len(mask))
+    args = (q, k, v, cu_q, cu_k, mask, score_mod, None, inputs)
+    assert_same(lowered_reference(*args), per_sequence(*args))
+
+
+@pytest.mark.parametrize("mask", ["causal", "sliding_window(2, 0)"])
+def test_a_sink_applies_per_row_and_sets_the_lse_of_rows_without_keys(mask):
+    q, k, v, cu_q, cu_k, inputs = packed([4, 3, 6], [4, 0, 8], seed=3)
+    args = (q, k, v, cu_q, cu_k, mask, "softcap(5.0)", "sinks[h]", inputs)
+    got, want = lowered_reference(*args), per_sequence(*args)
+    assert_same(got, want)
+    assert torch.isfinite(got[1]).all()  # the sequence without keys: LSE = its sink
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9)), min_size=1, max_size=5),
+       st.sampled_from(MASKS), st.integers(0, 2**16))
+def test_random_packings(lengths, mask, seed):
+    lengths_q, lengths_k = [a for a, _ in lengths], [b for _, b in lengths]
+    if sum(lengths_q) == 0 or sum(lengths_k) == 0:
+        lengths_q[0] += 1
+        lengths_k[0] += 1
+    q, k, v, cu_q, cu_k, inputs = packed(lengths_q, lengths_k, seed=seed)
+    args = (q, k, v, cu_q, cu_k, mask, None, None, inputs)
+    assert_same(lowered_reference(*args), per_sequence(*args))
+
+
+def test_tokens_past_the_last_sequence_see_nothing():
+    q, k, v, cu_q, cu_k, inputs = packed([6, 4], [6, 4])
+    short_q, short_k = torch.tensor([0, 6, 8], dtype=torch.int32), torch.tensor([0, 6, 8], dtype=torch.int32)
+    out, lse = lowered_reference(q, k, v, short_q, short_k, "causal", None, None, inputs)
+    assert torch.isinf(lse[:, 8:]).all() and not out[8:].any()
+    want = per_sequence(q[:8], k[:8], v[:8], short_q, short_k, "causal", None, None, inputs)
+    assert_same((out[:8], lse[:, :8]), want)
+
+
+def test_the_call_hands_attention_the_packed_problem_and_unpacks_its_result(monkeypatch):
+    q, k, v, cu_q, cu_k, inputs = packed([5, 7], [5, 7])
+    seen = {}
+
+    def fake_attention(q4, k4, v4, **kw):
+        seen.update(kw, shapes=(q4.shape, k4.shape))
+        out, lse = reference.attention(q4, k4, v4, mask=kw["mask"], score_mod=kw["score_mod"], sink=kw["sink"],
+                                       inputs=kw["inputs"], return_lse=True)
+        return (out, lse) if kw["return_lse"] else out
+
+    monkeypatch.setattr(api, "attention", fake_attention)
+    out, lse = varlen.attention_varlen(q, k, v, cu_q, cu_k, 7, 7, mask="causal", return_lse=True,
+                                       deterministic=True)
+    assert out.shape == q.shape and lse.shape == (4, 12) and seen["shapes"] == ((1, 12, 4, 16), (1, 12, 2, 16))
+    assert seen["deterministic"] is True and set(seen["inputs"]) == {"varlen_qdoc", "varlen_kdoc", "varlen_qpos",
+                                                                     "varlen_kpos", "varlen_qlen", "varlen_klen"}
+    assert_same((out, lse), per_sequence(q, k, v, cu_q, cu_k, "causal", None, None, inputs))
+    assert varlen.attention_varlen(q, k, v, cu_q, cu_k).shape == q.shape
+
+
+def call_error(**change):
+    q, k, v, cu_q, cu_k, _ = packed([5, 7], [5, 7])
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    args.update(change)
+    with pytest.raises(ValueError) as info:
+        varlen.attention_varlen(**args)
+    return str(info.value)
+
+
+def test_bad_arguments_are_named():
+    q = packed([5, 7], [5, 7])[0]
+    assert "q must have 3 dims" in call_error(q=q[None])
+    assert "cu_seqlens_q has dtype int64" in call_error(cu_seqlens_q=torch.tensor([0, 5, 12]))
+    assert "cu_seqlens_q has shape (3,) but cu_seqlens_k has (2,)" in \
+        call_error(cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32))
+    assert "must be a torch tensor" in call_error(cu_seqlens_q=[0, 5, 12])
+    assert "max_seqlen_q=-1 is invalid" in call_error(max_seqlen_q=-1)
+    assert "reads b" in call_error(mask="doc[b, q_idx] == doc[b, kv_idx]")
+    assert "reserves the names" in call_error(inputs={"varlen_qdoc": torch.zeros(12, dtype=torch.int32)})
+    assert "reads positions as floats" in call_error(score_mod="score + q_idx % 3")
+
+
+def test_positions_in_modifiers_are_floats_and_exact_below_2_to_the_24():
+    texts = varlen.lowered("causal", "alibi", None)
+    assert "varlen_qposf[q_idx]" in texts[1] and "varlen_kposf[kv_idx]" in texts[1]
+    assert varlen.FLOAT_EXACT == 2**24 and float(2**24 - 1) == 2**24 - 1
+    assert math.isfinite(varlen.FLOAT_EXACT)
