@@ -8,6 +8,8 @@ same process: d128, 16 heads, bf16, one 16384-token sequence.
   documents     16 random-length documents, causal within each, as a runtime input of ids:
                 useful TFLOP/s (visible pairs only) against the same family's dense causal and
                 FlexAttention with a document block mask
+  varlen_documents  the same documents through attention_varlen (cu_seqlens, the packed layout):
+                time against the document-ids mask (its arrays are built from cu_seqlens per call)
   mask_build    what a call costs beyond the kernel for a document mask: attngen copies the ids;
                 FlexAttention's create_block_mask builds its block mask
 
@@ -92,6 +94,12 @@ def run_mask_bench(out_dir: Path) -> dict:
                                 "tflops": doc_tflops, "flex_tflops": doc_pairs * pair_flops / flex_doc_ms / 1e9,
                                 "vs_dense_causal": doc_tflops / causal_tflops,
                                 "vs_flex": flex_doc_ms / doc_ms}
+
+        # The same documents as FlashAttention's varlen layout (attngen.attention_varlen, cu_seqlens).
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32).cuda()
+        varlen_ms = _time_ms(lambda: attngen.attention_varlen(q[0], k[0], v[0], cu, cu, mask="causal"))
+        results["varlen_documents"] = {"ms": varlen_ms, "tflops": doc_pairs * pair_flops / varlen_ms / 1e9,
+                                       "vs_document_ids": varlen_ms / doc_ms}
 
         start = time.perf_counter()
         for _ in range(10):

@@ -26,12 +26,18 @@ from __future__ import annotations
 from attngen.maskc.ir import Input, Op, Type, Var, make, to_text, walk
 
 # The per-token arrays, by what they replace: (mask's int32 name, modifier's float32 name, index).
+# A mask reads a position as the packed index minus its sequence's start, both starts read at the
+# row (the key's sequence is the row's wherever the document conjunct holds): kv_idx stays an exact
+# variable, so the block table sees a key block past the row's sequence as beyond its diagonal
+# (per-key positions would be unrelated to the key's sequence in the analysis: the block that
+# straddles the sequence's end could not be proved empty, nor could the blocks before it be skipped).
 _POSITION_INPUTS = {
-    "q_idx": ("varlen_qpos", "varlen_qposf", "q_idx"),
-    "kv_idx": ("varlen_kpos", "varlen_kposf", "kv_idx"),
+    "q_idx": ("varlen_qstart", "varlen_qposf", "q_idx"),
+    "kv_idx": ("varlen_kstart", "varlen_kposf", "kv_idx"),
     "q_len": ("varlen_qlen", "varlen_qlenf", "q_idx"),
     "kv_len": ("varlen_klen", "varlen_klenf", "q_idx"),  # the key count of the row's sequence
 }
+_STARTS = ("q_idx", "kv_idx")  # in a mask: the variable minus the start
 _DOCUMENTS = "varlen_qdoc[q_idx] == varlen_kdoc[kv_idx]"
 RESERVED = frozenset({"varlen_qdoc", "varlen_kdoc", *(n for names in _POSITION_INPUTS.values() for n in names[:2])})
 FLOAT_EXACT = 2**24  # positions a float32 holds exactly: modifiers read positions as floats
@@ -44,8 +50,10 @@ def _rewritten(node, kind: str):
         names = _POSITION_INPUTS.get(node.name)
         if names is None:
             return node
-        name = names[0] if kind == "mask" else names[1]
-        return Input(name, (Var(names[2], Type.INT),), Type.INT if kind == "mask" else Type.FLOAT)
+        if kind != "mask":
+            return Input(names[1], (Var(names[2], Type.INT),), Type.FLOAT)
+        read = Input(names[0], (Var("q_idx", Type.INT),), Type.INT)
+        return make("sub", node, read) if node.name in _STARTS else read
     if isinstance(node, Op):
         if node.op == "to_float":  # an int position the modifier converted: now read as a float already
             arg = _rewritten(node.args[0], kind)
@@ -128,10 +136,13 @@ def varlen_inputs(mask: str, score_mod: str | None, sink: str | None, q, k, cu_s
         qlen = klen = torch.zeros_like(qpos)
     else:
         qlen, klen = lengths_q[qseq], lengths_k[qseq]
-    arrays = {"varlen_qdoc": qdoc, "varlen_kdoc": kdoc, "varlen_qpos": qpos, "varlen_kpos": kpos,
-              "varlen_qlen": qlen, "varlen_klen": klen}
-    for names in _POSITION_INPUTS.values():
-        arrays[names[1]] = arrays[names[0]].float()
+    if lengths_q.numel() == 0:
+        qstart = kstart = torch.zeros_like(qpos)
+    else:
+        qstart, kstart = cu_seqlens_q[qseq], cu_seqlens_k[qseq]
+    arrays = {"varlen_qdoc": qdoc, "varlen_kdoc": kdoc, "varlen_qstart": qstart, "varlen_kstart": kstart,
+              "varlen_qlen": qlen, "varlen_klen": klen, "varlen_qposf": qpos.float(), "varlen_kposf": kpos.float(),
+              "varlen_qlenf": qlen.float(), "varlen_klenf": klen.float()}
     return {name: arrays[name].to(torch.int32 if not name.endswith("f") else torch.float32)
             for name in sorted(wanted & RESERVED)}
 

@@ -108,8 +108,8 @@ def test_the_call_hands_attention_the_packed_problem_and_unpacks_its_result(monk
     out, lse = varlen.attention_varlen(q, k, v, cu_q, cu_k, 7, 7, mask="causal", return_lse=True,
                                        deterministic=True)
     assert out.shape == q.shape and lse.shape == (4, 12) and seen["shapes"] == ((1, 12, 4, 16), (1, 12, 2, 16))
-    assert seen["deterministic"] is True and set(seen["inputs"]) == {"varlen_qdoc", "varlen_kdoc", "varlen_qpos",
-                                                                     "varlen_kpos", "varlen_qlen", "varlen_klen"}
+    assert seen["deterministic"] is True and set(seen["inputs"]) == {"varlen_qdoc", "varlen_kdoc", "varlen_qstart",
+                                                                     "varlen_kstart", "varlen_qlen", "varlen_klen"}
     assert_same((out, lse), per_sequence(q, k, v, cu_q, cu_k, "causal", None, None, inputs))
     assert varlen.attention_varlen(q, k, v, cu_q, cu_k).shape == q.shape
 
