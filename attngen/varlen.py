@@ -132,19 +132,15 @@ def varlen_inputs(mask: str, score_mod: str | None, sink: str | None, q, k, cu_s
     kdoc, kpos, _ = _per_token(torch, cu_seqlens_k, k.shape[0])
     kdoc = torch.where(kdoc < 0, -2, kdoc)  # past the end on both sides: still apart
     lengths_q, lengths_k = cu_seqlens_q[1:] - cu_seqlens_q[:-1], cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-    if lengths_q.numel() == 0:
-        qlen = klen = torch.zeros_like(qpos)
+    if lengths_q.numel() == 0:  # no sequence: every token is past the end (its doc says so)
+        qlen = klen = qstart = kstart = torch.zeros_like(qpos)
     else:
         qlen, klen = lengths_q[qseq], lengths_k[qseq]
-    if lengths_q.numel() == 0:
-        qstart = kstart = torch.zeros_like(qpos)
-    else:
         qstart, kstart = cu_seqlens_q[qseq], cu_seqlens_k[qseq]
     arrays = {"varlen_qdoc": qdoc, "varlen_kdoc": kdoc, "varlen_qstart": qstart, "varlen_kstart": kstart,
               "varlen_qlen": qlen, "varlen_klen": klen, "varlen_qposf": qpos.float(), "varlen_kposf": kpos.float(),
               "varlen_qlenf": qlen.float(), "varlen_klenf": klen.float()}
-    return {name: arrays[name].to(torch.int32 if not name.endswith("f") else torch.float32)
-            for name in sorted(wanted & RESERVED)}
+    return {name: arrays[name] for name in sorted(wanted & RESERVED)}  # int32 for the mask, float32 for modifiers
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | None = None,
@@ -183,10 +179,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     if not isinstance(mask, str):
         raise ValueError(f"mask={mask!r} is invalid; allowed: a mask expression (docs/masks.md)")
     texts = lowered(mask, score_mod, sink)
-    ours = varlen_inputs(*texts, q, k, cu_seqlens_q, cu_seqlens_k)
-    if any(name.endswith("f") for name in ours) and max(q.shape[0], k.shape[0]) >= FLOAT_EXACT:
+    reads_positions = any(text is not None and "posf[" in text for text in texts[1:])
+    if reads_positions and max(q.shape[0], k.shape[0]) >= FLOAT_EXACT:
         raise ValueError(f"q has {q.shape[0]} and k {k.shape[0]} tokens, and the score modifier or sink reads "
                          f"positions (as float32); allowed: fewer than {FLOAT_EXACT} tokens")
+    ours = varlen_inputs(*texts, q, k, cu_seqlens_q, cu_seqlens_k)
     clash = sorted(set(inputs or {}) & RESERVED)
     if clash:
         raise ValueError(f"inputs has {clash[0]!r}; attention_varlen reserves the names {sorted(RESERVED)}")

@@ -5,8 +5,6 @@ of each sequence on its own computes; bad arguments are named."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -136,8 +134,14 @@ def test_bad_arguments_are_named():
     assert "reads positions as floats" in call_error(score_mod="score + q_idx % 3")
 
 
-def test_positions_in_modifiers_are_floats_and_exact_below_2_to_the_24():
+def test_a_modifier_reading_positions_is_refused_past_2_to_the_24_tokens():
+    """Modifiers read positions as float32, exact below 2^24: a longer packing is refused before any
+    array is built (expanded views: no memory), unless the modifier ignores positions."""
     texts = varlen.lowered("causal", "alibi", None)
     assert "varlen_qposf[q_idx]" in texts[1] and "varlen_kposf[kv_idx]" in texts[1]
-    assert varlen.FLOAT_EXACT == 2**24 and float(2**24 - 1) == 2**24 - 1
-    assert math.isfinite(varlen.FLOAT_EXACT)
+    total = varlen.FLOAT_EXACT
+    q = torch.zeros(1, 2, 16, dtype=torch.bfloat16).expand(total, 2, 16)
+    cu = torch.tensor([0, total], dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"allowed: fewer than {total} tokens"):
+        varlen.attention_varlen(q, q, q, cu, cu, mask="causal", score_mod="alibi",
+                                inputs={"slope": torch.ones(2)})

@@ -10,7 +10,9 @@ closed form, attngen/mask_table.py):
            query head of its GQA group that the mask lets see the block (empty blocks skipped,
            full ones unmasked), recomputing S and P from Q and the LSE: dV += P^T dO,
            dS = P * (dP - D) * d score_mod / d score * scale, dK += dS^T Q, and dQ += dS K added
-           to the fp32 accumulator with atomics (the only order-dependent sums of the call);
+           to the fp32 accumulator with atomics (the only order-dependent sums of the call;
+           with `deterministic`, added in key order behind a counter per query block instead:
+           bwd_shared.py);
   dq       the accumulator converted to dQ's dtype and layout.
 
 Each key's dK and dV are summed over its whole GQA group inside one CTA: no repeated K/V, no
