@@ -4,6 +4,7 @@ holds the instructions it is written for. No GPU needed."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import pytest
 
 from attngen import targets
@@ -100,6 +101,62 @@ def test_sm90_config_rules():
     assert "pingpong=True is invalid with consumers=1" in family.check_config({"pingpong": True, "consumers": 1})[0]
     with pytest.raises(SpecError, match="needs .* shared memory"):
         AttentionSpec(head_dim=256, family="fwd_sm90", config={"block_n": 192, "num_stages": 4}).name
+
+
+def test_sm90_schedules_labels_and_defaults():
+    from attngen.families.fwd_sm90.family import Sm90Config
+
+    for label, schedule in (("m128n128s2op", "grid"), ("m128n176s2opr", "pairs"), ("m192n128s2opd", "dynamic")):
+        config = Sm90Config.from_label(label)
+        assert config.schedule == schedule and config.label() == label
+    with pytest.raises(ValueError, match="not a fwd_sm90 config label"):
+        Sm90Config.from_label("m128n128s2opx")
+    family = get_family("fwd_sm90")
+    default = lambda **kw: family.default_config(AttentionSpec(**kw).problem, H100).label()  # noqa: E731
+    assert default(head_dim=128, mask="causal") == "m128n128s2opr"
+    assert default(head_dim=128, mask="causal", gqa_ratio=4) == "m128n128s2opd"  # the table's causal_gqa row
+    assert default(head_dim=128, mask="none", gqa_ratio=4) == "m128n176s2opr"  # no none_gqa row: none's
+    assert default(head_dim=64, mask="sliding_window(127, 0)") == "m128n128s2opd"
+
+
+def _tensor(name, shape, dtype="bfloat16"):
+    from attngen.runtime.tensors import TensorInfo
+
+    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return TensorInfo(name, "torch", 1 << 20, shape, strides, dtype, 0)
+
+
+def _sm90_call(head_dim, B, S, H, Hkv, workspace=0, inputs=()):
+    from attngen.families.base import ForwardCall
+
+    return ForwardCall(_tensor("q", (B, S, H, head_dim)), _tensor("k", (B, S, Hkv, head_dim)),
+                       _tensor("v", (B, S, Hkv, head_dim)), _tensor("out", (B, S, H, head_dim)),
+                       _tensor("lse", (B, H, S), "float32"), 0.1, workspace=workspace, inputs=inputs)
+
+
+def test_sm90_dynamic_schedule_launches(monkeypatch):
+    """A dynamic schedule zeroes its counter (in the workspace, after any mask table) in a launch
+    before the kernel's, sizes its grid to the SMs and its sections to the K/V that fit in L2."""
+    from attngen import mask_table
+    from attngen.families.fwd_sm90 import family as sm90
+
+    monkeypatch.setattr(sm90.tma, "encode", lambda *a, **k: bytes(128))  # no driver on the CPU
+    family = get_family("fwd_sm90")
+    h100 = dataclasses.replace(H100, sms=132)
+    for mask, gqa in (("causal", 4), ("doc[b, q_idx] == doc[b, kv_idx] and causal", 1)):
+        spec = AttentionSpec(head_dim=128, mask=mask, gqa_ratio=gqa, family="fwd_sm90", config={"schedule": "dynamic"})
+        plan = plan_spec(spec, h100)
+        inputs = (("doc", _tensor("doc", (2, 8192), "int32")),) if "doc" in mask else ()
+        call = _sm90_call(128, 2, 8192, 8 * gqa, 8, workspace=1 << 30, inputs=inputs)
+        reset, main = family.launches(plan, call)[-2:]
+        assert reset.kernel == f"{plan.name}_reset" and main.kernel == plan.name and reset.params == main.params
+        assert main.grid == (132, 1, 1)  # 64 query blocks x 16 or 64 (batch, head) pairs: more tiles than SMs
+        table_bytes = mask_table.workspace_bytes(plan.mask_table, call, plan.block_m)
+        assert (plan.mask_table is not None) == ("doc" in mask) and family.workspace_bytes(plan, call) >= table_bytes + 4
+        kv_bytes = 2 * 8192 * 128 * 2
+        assert sm90.section_heads(call, gqa, 2) == (sm90.L2_SECTION_BYTES // kv_bytes) * gqa
+    plan = plan_spec(AttentionSpec(head_dim=128, family="fwd_sm90", config={"schedule": "dynamic"}), h100)
+    assert family.launches(plan, _sm90_call(128, 1, 128, 2, 2))[-1].grid == (2, 1, 1)  # fewer tiles than SMs
 
 
 CUOBJDUMP = nvcc.find_cuobjdump()

@@ -217,3 +217,30 @@ def test_a_family_pinned_on_a_gpu_it_does_not_support_raises_a_spec_error_naming
     assert caught.value.field == "family"
     with pytest.raises(SpecError, match=message):
         attngen.attention(q, k, v, spec)
+
+
+@pytest.mark.parametrize("schedule", ["grid", "pairs", "dynamic"])
+@pytest.mark.parametrize("head_dim,mask,gqa,B,S,Hkv,pingpong", [
+    (128, "causal", 1, 2, 3000, 6, True),   # 288 tiles: more than the SMs, each CTA several
+    (64, "none", 4, 1, 4097, 2, True),      # a ragged last block, GQA
+    (64, "causal", 2, 3, 300, 2, False),    # fewer tiles than SMs, no pingpong
+    (256, "causal", 1, 1, 1000, 3, False),
+])
+@pytest.mark.parametrize("section_bytes", [None, 1])
+def test_tile_schedules(schedule, head_dim, mask, gqa, B, S, Hkv, pingpong, section_bytes, monkeypatch):
+    """Every tile schedule of fwd_sm90 covers every tile exactly once, call after call (the dynamic
+    schedule's counter is reset before each launch), with sections of one kv head's query heads when
+    the section budget is tiny."""
+    from attngen.families.fwd_sm90 import family as sm90
+
+    if this_target().cc != 90:
+        pytest.skip("fwd_sm90 runs on sm_90a only")
+    if section_bytes is not None:
+        if schedule != "dynamic":
+            pytest.skip("sections are the dynamic schedule's")
+        monkeypatch.setattr(sm90, "L2_SECTION_BYTES", section_bytes)
+    spec = AttentionSpec(head_dim=head_dim, dtype="bf16", mask=mask, gqa_ratio=gqa, family="fwd_sm90",
+                         config={"schedule": schedule, "pingpong": pingpong})
+    q, k, v = make_inputs(spec, B=B, Sq=S, Sk=S, Hkv=Hkv, seed=S + head_dim)
+    for _ in range(2):
+        run_and_check(spec, q, k, v)

@@ -1,11 +1,12 @@
 """fwd_sm90: the Hopper forward (sm_90a): wgmma, TMA, warp specialisation.
 
-One CTA computes one query block of one (batch, query head): a producer warpgroup streams Q and
+A CTA computes query blocks of one (batch, query head) each: a producer warpgroup streams Q and
 the K/V blocks through a shared-memory ring with TMA, and `consumers` warpgroups of 64 query
 rows each run S = Q K^T and O += P V on wgmma with the online softmax in registers
 (flash_fwd_sm90.cuh). The config: keys per block, consumer warpgroups, ring stages, whether
-each warpgroup overlaps its softmax with its own GEMMs, and whether the warpgroups take turns
-issuing GEMMs (pingpong). Runs only on sm_90a (H100, H200): wgmma and setmaxnreg exist nowhere
+each warpgroup overlaps its softmax with its own GEMMs, whether the warpgroups take turns
+issuing GEMMs (pingpong), and the tile schedule (one CTA per tile, or one per SM dealt pairs of
+tiles or taking them from a counter the module's reset kernel zeroes before each launch). Runs only on sm_90a (H100, H200): wgmma and setmaxnreg exist nowhere
 else, and the runtime always plans for the GPU it runs on.
 """
 
@@ -55,7 +56,13 @@ REGISTERS = {1: (None, None), 2: (24, 240), 3: (32, 160)}
 # most 2 consumer warpgroups (240 registers each).
 DROPOUT_CONSUMERS = 2
 DEFAULT_SMS = 132  # a persistent grid's size where the target is not a device (an H100 SXM)
-_LABEL = re.compile(r"m(\d+)n(\d+)s(\d+)(o?)(p?)(r?)")
+# Tile schedules (flash_fwd_sm90.cuh) and their label letters: one CTA per tile; one CTA per SM
+# dealt pairs of tiles statically; one CTA per SM taking tiles from a counter.
+SCHEDULES = {"grid": "", "pairs": "r", "dynamic": "d"}
+# Bytes of K/V a dynamic schedule's section of heads may hold: half the H100's 50 MB L2, the rest
+# left to the Q and O tiles streaming through.
+L2_SECTION_BYTES = 25 << 20
+_LABEL = re.compile(r"m(\d+)n(\d+)s(\d+)(o?)(p?)([rd]?)")
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,7 @@ class Sm90Config(Config):
     num_stages: int  # K/V ring depth
     overlap: bool  # the softmax of block j runs while S of block j+1 and P V of block j-1 run
     pingpong: bool  # consumer warpgroups take turns issuing GEMMs
-    persistent: bool  # one CTA per SM works through the tiles: a tile's epilogue overlaps the next's loads
+    schedule: str  # grid | pairs | dynamic (SCHEDULES); persistent ones overlap a tile's epilogue with the next's loads
 
     @property
     def block_m(self) -> int:
@@ -73,15 +80,16 @@ class Sm90Config(Config):
 
     def label(self) -> str:
         return (f"m{self.block_m}n{self.block_n}s{self.num_stages}" + ("o" if self.overlap else "")
-                + ("p" if self.pingpong else "") + ("r" if self.persistent else ""))
+                + ("p" if self.pingpong else "") + SCHEDULES[self.schedule])
 
     @classmethod
     def from_label(cls, label: str) -> "Sm90Config":
         match = _LABEL.fullmatch(label)
         if match is None or int(match.group(1)) % 64:
             raise ValueError(f"{label!r} is not a fwd_sm90 config label such as m128n128s2opr")
+        schedule = {letter: name for name, letter in SCHEDULES.items()}[match.group(6)]
         return cls(int(match.group(2)), int(match.group(1)) // 64, int(match.group(3)), bool(match.group(4)),
-                   bool(match.group(5)), bool(match.group(6)))
+                   bool(match.group(5)), schedule)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +99,7 @@ class Sm90Plan(ForwardPlan):
     q_buffers: int  # 2 when shared memory holds a second Q tile: the next tile's Q loads early
     overlap: bool
     pingpong: bool
-    persistent: bool
+    schedule: str
     threads: int
     smem_bytes: int
     producer_regs: int | None
@@ -104,7 +112,8 @@ class Sm90Plan(ForwardPlan):
 
 @dataclass(frozen=True)
 class Sm90Args:
-    """What one launch packs: the call, the query blocks per head, and the tensor maps of q, k, v, out."""
+    """What one launch packs: the call, the query blocks per head, the tensor maps of q, k, v, out, and
+    for a dynamic schedule its counter's address and section size."""
 
     call: ForwardCall
     m_blocks: int
@@ -112,6 +121,8 @@ class Sm90Args:
     tmap_k: bytes
     tmap_v: bytes
     tmap_o: bytes
+    tile_counter: int = 0
+    section_heads: int = 1
 
 
 ARGUMENTS = Abi("FwdSm90Params", [
@@ -128,6 +139,9 @@ ARGUMENTS = Abi("FwdSm90Params", [
     Param("scale_log2", "float", "f32", lambda a: a.call.softmax_scale * LOG2E,
           "softmax_scale * log2(e): exp2 replaces exp with the scale folded in"),
     Param("scale", "float", "f32", lambda a: a.call.softmax_scale, "softmax_scale: a score modifier sees scaled scores"),
+    Param("tile_counter", "int*", "ptr", lambda a: a.tile_counter, "dynamic schedule: the next tile (workspace)"),
+    Param("section_heads", "int", "i32", lambda a: a.section_heads,
+          "dynamic schedule: (batch, head) pairs whose K/V share L2, a multiple of the GQA ratio"),
 ])
 
 
@@ -143,9 +157,23 @@ def smem_bytes(config: Sm90Config, head_dim: int, q_buffers: int = 1) -> int:
     return 1024 + chunks * 128 * (q_buffers * config.block_m + 2 * config.num_stages * config.block_n)
 
 
+def _counter_offset(plan: Sm90Plan, call: ForwardCall) -> int:
+    """Where a dynamic schedule's tile counter sits in the workspace: after the mask's block table."""
+    size = mask_table.workspace_bytes(plan.mask_table, call, plan.block_m)
+    return -(-size // mask_table.ALIGN) * mask_table.ALIGN
+
+
+def section_heads(call: ForwardCall, gqa_ratio: int, itemsize: int) -> int:
+    """(batch, query head) pairs in one section of a dynamic schedule: as many kv heads' K and V as
+    L2_SECTION_BYTES holds (at least one), times the query heads that read each."""
+    kv_bytes = 2 * call.seq_k * call.k.shape[3] * itemsize
+    return max(1, L2_SECTION_BYTES // max(kv_bytes, 1)) * gqa_ratio
+
+
 @functools.lru_cache(maxsize=None)
 def _preferences() -> dict[tuple[int, str], list[Sm90Config]]:
-    """(head dim, none | causal | expressions) -> configs in order of preference, from tile_defaults.yaml."""
+    """(head dim, none | causal | expressions, or one of those + "_gqa") -> configs in order of preference,
+    from tile_defaults.yaml."""
     table = yaml.safe_load((FOLDER / "tile_defaults.yaml").read_text())
     return {(int(d), mask): [Sm90Config.from_label(label) for label in labels]
             for d, per_mask in table.items() for mask, labels in per_mask.items()}
@@ -156,7 +184,7 @@ class Sm90Forward(KernelFamily):
     description = "Hopper forward: wgmma, TMA ring, producer/consumer warpgroups (sm_90a only)"
     folder = FOLDER
     config_fields = {"block_n": BLOCK_NS, "consumers": CONSUMERS, "num_stages": NUM_STAGES,
-                     "overlap": (True, False), "pingpong": (True, False), "persistent": (True, False)}
+                     "overlap": (True, False), "pingpong": (True, False), "schedule": tuple(SCHEDULES)}
 
     def supports(self, problem: Problem, target: Target) -> str | None:
         if target.cc != 90:
@@ -181,7 +209,10 @@ class Sm90Forward(KernelFamily):
     def default_config(self, problem: Problem, target: Target) -> Sm90Config:
         plain = problem.mask in ("none", "causal") and problem.score_mod is None and problem.sink is None
         kind = problem.mask if plain else "expressions"
-        choices = _preferences()[problem.head_dim, kind]
+        table = _preferences()
+        if problem.gqa_ratio > 1 and (problem.head_dim, f"{kind}_gqa") in table:
+            kind = f"{kind}_gqa"
+        choices = table[problem.head_dim, kind]
         for config in choices:
             if smem_bytes(config, problem.head_dim) <= target.smem_per_block \
                     and not (problem.dropout_p and config.consumers > DROPOUT_CONSUMERS):
@@ -221,12 +252,13 @@ class Sm90Forward(KernelFamily):
                                     config.block_m)
         if problem.dropout_p:
             abi = dropout.with_rng(abi, _the_call)
+        reset = (KernelPlan(f"{name}_reset", 32, 0, abi),) if config.schedule == "dynamic" else ()
         return Sm90Plan(
             family=self.name, name=name, problem=problem, target=target, config=config,
-            kernels=(KernelPlan(name, threads, smem, abi), *mask_table.kernels(name, table, abi)),
+            kernels=(KernelPlan(name, threads, smem, abi), *mask_table.kernels(name, table, abi), *reset),
             block_m=config.block_m, block_n=config.block_n,
             fault=fault, consumers=config.consumers, num_stages=config.num_stages, q_buffers=q_buffers,
-            overlap=config.overlap, pingpong=config.pingpong, persistent=config.persistent, threads=threads, smem_bytes=smem, producer_regs=producer_regs,
+            overlap=config.overlap, pingpong=config.pingpong, schedule=config.schedule, threads=threads, smem_bytes=smem, producer_regs=producer_regs,
             consumer_regs=consumer_regs, mask=get_mask(problem.mask))
 
     def render(self, plan: Sm90Plan) -> str:
@@ -242,7 +274,7 @@ class Sm90Forward(KernelFamily):
         return None
 
     def workspace_bytes(self, plan: Sm90Plan, call: ForwardCall) -> int:
-        return mask_table.workspace_bytes(plan.mask_table, call, plan.block_m)
+        return _counter_offset(plan, call) + (mask_table.ALIGN if plan.schedule == "dynamic" else 0)
 
     def launches(self, plan: Sm90Plan, call: ForwardCall) -> list[Launch]:
         dtype = get_dtype(plan.dtype)
@@ -251,17 +283,21 @@ class Sm90Forward(KernelFamily):
             return tma.encode(dtype.tensor_map_code, t.ptr, t.shape, t.strides, dtype.itemsize, rows)
 
         m_blocks = math.ceil(call.seq_q / plan.block_m)
+        dynamic = plan.schedule == "dynamic"
         args = Sm90Args(call, m_blocks, tensor_map(call.q, plan.block_m), tensor_map(call.k, plan.block_n),
-                        tensor_map(call.v, plan.block_n), tensor_map(call.out, 64))
+                        tensor_map(call.v, plan.block_n), tensor_map(call.out, 64),
+                        call.workspace + _counter_offset(plan, call) if dynamic else 0,
+                        section_heads(call, plan.gqa_ratio, get_dtype(plan.dtype).itemsize))
         tiles = m_blocks * call.heads_q * call.batch
-        if plan.persistent:  # pairs of tiles (an even count per head) dealt out to one CTA per SM at most
+        sms = plan.target.sms or DEFAULT_SMS
+        if plan.schedule == "pairs":  # pairs of tiles (an even count per head) dealt out to one CTA per SM at most
             tiles = (m_blocks + 1) // 2 * 2 * call.heads_q * call.batch
-            sms = plan.target.sms or DEFAULT_SMS
             grid = (tiles if tiles <= sms else min(tiles // 2, sms), 1, 1)  # flash_fwd_sm90.cuh tile_index
         else:
-            grid = (tiles, 1, 1)
+            grid = (min(tiles, sms) if dynamic else tiles, 1, 1)
         params = plan.kernels[0].abi.pack(args)
-        return [*mask_table.launches(plan, call, params),
+        reset = [Launch(plan.kernels[-1].symbol, (1, 1, 1), (32, 1, 1), 0, params)] if dynamic else []
+        return [*mask_table.launches(plan, call, params), *reset,
                 Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, params)]
 
     def estimate(self, plan, report, gpu, shape):

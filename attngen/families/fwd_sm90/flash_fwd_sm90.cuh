@@ -1,12 +1,19 @@
 // ---- flash_fwd_sm90.cuh: FlashAttention forward for Hopper (sm_90a) ----
-// A CTA works through tiles (one query block of one (batch, query head) each). The order keeps
-// each head's query blocks together, so its K/V stay in L2, and zigzags from both ends: the
-// longest block (under a causal mask the last one sees the most keys), the shortest, the second
-// longest, ... (tile_of). A grid of one CTA per tile leaves the order to the hardware's block
-// scheduler. A persistent grid (one CTA per SM, PERSISTENT) deals out consecutive pairs of
-// tiles round-robin: under a causal mask every pair holds about the same number of key blocks,
-// so a static schedule comes out balanced, and one tile's epilogue overlaps the next
-// one's loads (docs/perf-notes.md: which wins where). Warp specialisation: warpgroup 0 is the producer, one thread
+// A CTA works through tiles (one query block of one (batch, query head) each), under one of
+// three schedules (tile_of; docs/perf-notes.md: which wins where):
+// - grid: one CTA per tile, each head's query blocks together (its K/V stay in L2) and longest
+//   first (under a causal mask the last block sees the most keys); the hardware's block
+//   scheduler hands out the next CTA as one finishes.
+// - PAIRS: a persistent grid (one CTA per SM) dealt consecutive pairs of tiles round-robin, each
+//   head's blocks zigzagging from both ends (longest, shortest, second longest, ...): under a
+//   causal mask every pair holds about the same number of key blocks, so the static schedule
+//   comes out balanced.
+// - DYNAMIC: a persistent grid whose producer takes each next tile from a counter in global
+//   memory (zeroed by the module's reset kernel before every launch), as the hardware scheduler
+//   would, and hands it to the consumers through shared memory between two named barriers
+//   (TILE_FULL, TILE_EMPTY). Tiles come in sections of heads whose K/V fit in L2 together,
+//   longest query blocks first across a section's heads: balanced under any mask.
+// Persistent grids overlap one tile's epilogue with the next one's loads. Warp specialisation: warpgroup 0 is the producer, one thread
 // of which streams Q (Q_BUFFERS deep) and the K/V blocks through a NUM_STAGES-deep ring with
 // TMA, completing on mbarriers; the ring runs on across tiles.
 // Warpgroups 1..CONSUMERS each own 64 query rows: S = Q K^T on wgmma (both operands in shared
@@ -16,7 +23,7 @@
 // one's softmax runs under the other's. Key blocks the mask makes empty are never loaded;
 // blocks it makes full are never masked per element.
 // Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
-// CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PERSISTENT, SET_MAX_REGS, PRODUCER_REGS,
+// CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PAIRS, DYNAMIC, SET_MAX_REGS, PRODUCER_REGS,
 // CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
 // namespace score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2),
 // and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS); with ATTNGEN_DROPOUT, namespace dropout
@@ -44,6 +51,9 @@ constexpr int DK = HEAD_DIM / 16;                // k16 steps of Q K^T
 constexpr int PK = BLOCK_N / 16;                 // k16 steps of P V
 constexpr int PINGPONG_BARRIER = 1;              // named barriers 1..CONSUMERS: whose turn to issue GEMMs
 constexpr int STORE_BARRIER = 1 + CONSUMERS;     // named barriers after those: one per warpgroup's epilogue
+constexpr int TILE_FULL = 1 + 2 * CONSUMERS;     // DYNAMIC: the producer warp has written the next tile
+constexpr int TILE_EMPTY = 2 + 2 * CONSUMERS;    // DYNAMIC: the consumers have read it
+constexpr int HANDOFF_THREADS = 32 + CONSUMERS * WG_THREADS;
 
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "wgmma shapes");
 static_assert(Q_CHUNK % ALIGN == 0 && KV_CHUNK % ALIGN == 0, "every tile starts on a swizzle-atom boundary");
@@ -51,32 +61,44 @@ static_assert(Q_CHUNK % ALIGN == 0 && KV_CHUNK % ALIGN == 0, "every tile starts 
 struct Pipeline {
     u64 q_full[Q_BUFFERS], q_empty[Q_BUFFERS];
     u64 k_full[NUM_STAGES], k_empty[NUM_STAGES], v_full[NUM_STAGES], v_empty[NUM_STAGES];
+    int tile;  // DYNAMIC: the next tile (past the last: no more work)
 };
 
-// Tile t of the order: (batch, head) pairs one after another (the query heads of one kv head
-// together). Within a pair, one CTA per tile: the query blocks longest first (M-1, M-2, ...);
-// persistent: zigzag (M-1, 0, M-2, 1, ...) over an even count, so tiles 2u and 2u+1 are a pair
-// of the same head whose key blocks add up to about the same number for every u. An odd count
-// gets a phantom block M (past Sq: nothing to load or store) paired with block 0.
+// Tile t of the order. grid and PAIRS: (batch, head) pairs one after another (the query heads of
+// one kv head together). Within a pair, grid: the query blocks longest first (M-1, M-2, ...);
+// PAIRS: zigzag (M-1, 0, M-2, 1, ...) over an even count, so tiles 2u and 2u+1 are a pair of the
+// same head whose key blocks add up to about the same number for every u. An odd count gets a
+// phantom block M (past Sq: nothing to load or store) paired with block 0. DYNAMIC: sections of
+// p.section_heads (batch, head) pairs (a multiple of GQA_RATIO, so a kv head's query heads share
+// one), and within a section block M-1 of every head, then block M-2, ...
 struct Tile {
     int m_block, head, batch;
 };
 
 __device__ __forceinline__ int blocks_per_head(const Params& p) {
-    return PERSISTENT ? (p.m_blocks + 1) & ~1 : p.m_blocks;
+    return PAIRS ? (p.m_blocks + 1) & ~1 : p.m_blocks;
 }
 
 __device__ __forceinline__ Tile tile_of(const Params& p, int t) {
+    if constexpr (DYNAMIC) {
+        const int per_section = p.section_heads * p.m_blocks;
+        const int section = t / per_section, r = t - section * per_section;
+        const int heads = min(p.section_heads, p.Hq * p.batch - section * p.section_heads);  // the last may be short
+        const int bh = section * p.section_heads + r % heads;
+        return {p.m_blocks - 1 - r / heads, bh % p.Hq, bh / p.Hq};
+    }
     const int per_head = blocks_per_head(p);
     const int bh = t / per_head, r = t - bh * per_head;
-    const int m_block = !PERSISTENT ? per_head - 1 - r : (r & 1) ? r / 2 : per_head - 1 - r / 2;
+    const int m_block = !PAIRS ? per_head - 1 - r : (r & 1) ? r / 2 : per_head - 1 - r / 2;
     return {m_block, bh % p.Hq, bh / p.Hq};
 }
 
-// The order position of this CTA's j-th tile; the first one past the tiles ends its work.
-// Persistent with more tiles than CTAs: pair u = j / 2 of this CTA is pair blockIdx.x + u * gridDim.x.
+// The order position of this CTA's j-th tile under a static schedule (grid, PAIRS); the first one
+// past the tiles ends its work. PAIRS with more tiles than CTAs: pair u = j / 2 of this CTA is pair
+// blockIdx.x + u * gridDim.x. (DYNAMIC: only the first tile is blockIdx.x; the counter hands out
+// the rest from gridDim.x on.)
 __device__ __forceinline__ int tile_index(int j, int tiles) {
-    if (PERSISTENT && static_cast<int>(gridDim.x) < tiles)
+    if (PAIRS && static_cast<int>(gridDim.x) < tiles)
         return 2 * ((j >> 1) * static_cast<int>(gridDim.x) + blockIdx.x) + (j & 1);
     return j == 0 ? static_cast<int>(blockIdx.x) : 0x7fffffff;
 }
@@ -109,25 +131,45 @@ __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
     return b;
 }
 
-// -- producer: one thread issues every load, tile after tile --------------------------------------
+// -- producer: one thread issues every load, tile after tile (DYNAMIC: its whole warp runs the loop,
+// for the named barriers of the tile handoff, and lane 0 issues) ------------------------------------
 __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ, u32 sK, u32 sV, int tiles) {
-    tma_prefetch(&p.tmap_q);
-    tma_prefetch(&p.tmap_k);
-    tma_prefetch(&p.tmap_v);
+    const bool leader = threadIdx.x == 0;
+    if (leader) {
+        tma_prefetch(&p.tmap_q);
+        tma_prefetch(&p.tmap_k);
+        tma_prefetch(&p.tmap_v);
+    }
     int g = 0;  // K/V blocks loaded so far: the ring's position runs on across tiles
+    int t = tile_index(0, tiles);
 #pragma unroll 1
-    for (int j = 0, t = tile_index(0, tiles); t < tiles; t = tile_index(++j, tiles)) {
+    for (int j = 0;; ++j) {
+        int next;
+        if constexpr (DYNAMIC) {
+            if (j > 0) named_sync(TILE_EMPTY, HANDOFF_THREADS);  // the consumers have read the previous tile
+            if (leader) pipe.tile = t;
+            named_arrive(TILE_FULL, HANDOFF_THREADS);
+            if (t >= tiles) break;
+            int fetched = 0;
+            if (leader) fetched = atomicAdd(p.tile_counter, 1);  // its latency hides under this tile's loads
+            next = __shfl_sync(0xffffffffu, fetched, 0) + static_cast<int>(gridDim.x);
+        } else {
+            if (t >= tiles) break;
+            next = tile_index(j + 1, tiles);
+        }
+        const int qb = j % Q_BUFFERS;
         const Tile tile = tile_of(p, t);
         const int m0 = tile.m_block * BLOCK_M, kv_head = tile.head / GQA_RATIO;  // query head h reads kv head h // ratio
         const Blocks b = kv_blocks(p, tile);
-        const int qb = j % Q_BUFFERS;
         // The consumers free a Q buffer once its tile's output, staged there, has been stored.
         mbar_wait(smem_u32(&pipe.q_empty[qb]), ((j / Q_BUFFERS) & 1) ^ 1);
-        const u32 q_full = smem_u32(&pipe.q_full[qb]);
-        mbar_expect_tx(q_full, Q_BYTES);
+        if (leader) {
+            const u32 q_full = smem_u32(&pipe.q_full[qb]);
+            mbar_expect_tx(q_full, Q_BYTES);
 #pragma unroll
-        for (int c = 0; c < CHUNKS; ++c)
-            tma_load(sQ + qb * Q_BYTES + c * Q_CHUNK, &p.tmap_q, q_full, c * 64, m0, tile.head, tile.batch);
+            for (int c = 0; c < CHUNKS; ++c)
+                tma_load(sQ + qb * Q_BYTES + c * Q_CHUNK, &p.tmap_q, q_full, c * 64, m0, tile.head, tile.batch);
+        }
 #pragma unroll 1
         for (int it = 0; it < b.count(); ++it, ++g) {
             const int stage = g % NUM_STAGES;
@@ -135,18 +177,23 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
             const int n0 = b.key0(it);
             // Wait until every consumer has released this stage's previous block.
             mbar_wait(smem_u32(&pipe.k_empty[stage]), phase ^ 1);
-            const u32 k_full = smem_u32(&pipe.k_full[stage]);
-            mbar_expect_tx(k_full, KV_BYTES);
+            if (leader) {
+                const u32 k_full = smem_u32(&pipe.k_full[stage]);
+                mbar_expect_tx(k_full, KV_BYTES);
 #pragma unroll
-            for (int c = 0; c < CHUNKS; ++c)
-                tma_load(sK + stage * KV_BYTES + c * KV_CHUNK, &p.tmap_k, k_full, c * 64, n0, kv_head, tile.batch);
+                for (int c = 0; c < CHUNKS; ++c)
+                    tma_load(sK + stage * KV_BYTES + c * KV_CHUNK, &p.tmap_k, k_full, c * 64, n0, kv_head, tile.batch);
+            }
             mbar_wait(smem_u32(&pipe.v_empty[stage]), phase ^ 1);
-            const u32 v_full = smem_u32(&pipe.v_full[stage]);
-            mbar_expect_tx(v_full, KV_BYTES);
+            if (leader) {
+                const u32 v_full = smem_u32(&pipe.v_full[stage]);
+                mbar_expect_tx(v_full, KV_BYTES);
 #pragma unroll
-            for (int c = 0; c < CHUNKS; ++c)
-                tma_load(sV + stage * KV_BYTES + c * KV_CHUNK, &p.tmap_v, v_full, c * 64, n0, kv_head, tile.batch);
+                for (int c = 0; c < CHUNKS; ++c)
+                    tma_load(sV + stage * KV_BYTES + c * KV_CHUNK, &p.tmap_v, v_full, c * 64, n0, kv_head, tile.batch);
+            }
         }
+        t = next;
     }
 }
 
@@ -267,7 +314,8 @@ struct Turns {
     }
 };
 
-// Whether this CTA has a tile after its round j with key blocks to visit (its GEMM turns are not over).
+// Whether this CTA has a tile after its round j with key blocks to visit (its GEMM turns are not
+// over). Static schedules only: under DYNAMIC the last hand-over is absorbed instead (consume).
 __device__ __forceinline__ bool more_work(const Params& p, int j, int tiles) {
     for (int t = tile_index(++j, tiles); t < tiles; t = tile_index(++j, tiles))
         if (kv_blocks(p, tile_of(p, t)).count() > 0) return true;
@@ -414,22 +462,37 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
 __device__ __forceinline__ void consume(const Params& p, Pipeline& pipe, u32 sQ, u32 sK, u32 sV, int tiles, int wg) {
     const int tid = threadIdx.x % WG_THREADS;
     if constexpr (PINGPONG) {
-        // The first warpgroup goes first (when the CTA has GEMMs to issue at all).
-        if (wg == CONSUMERS - 1 && more_work(p, -1, tiles))
+        // The first warpgroup goes first (when the CTA has GEMMs to issue at all; DYNAMIC cannot know).
+        if (wg == CONSUMERS - 1 && (DYNAMIC || more_work(p, -1, tiles)))
             named_arrive(PINGPONG_BARRIER, 2 * WG_THREADS);
     }
     int g = 0;  // K/V blocks consumed so far
 #pragma unroll 1
-    for (int j = 0, t = tile_index(0, tiles); t < tiles; t = tile_index(++j, tiles)) {
+    for (int j = 0;; ++j) {
+        const int qb = j % Q_BUFFERS;
+        int t;
+        if constexpr (DYNAMIC) {
+            named_sync(TILE_FULL, HANDOFF_THREADS);
+            t = pipe.tile;
+            if (t >= tiles) break;  // the producer waits for no read of the end
+            named_arrive(TILE_EMPTY, HANDOFF_THREADS);
+        } else {
+            t = tile_index(j, tiles);
+            if (t >= tiles) break;
+        }
+        mbar_wait(smem_u32(&pipe.q_full[qb]), (j / Q_BUFFERS) & 1);
         const Tile tile = tile_of(p, t);
         const Blocks b = kv_blocks(p, tile);
-        const int qb = j % Q_BUFFERS;
-        mbar_wait(smem_u32(&pipe.q_full[qb]), (j / Q_BUFFERS) & 1);
-        const bool last_turns = PINGPONG && b.count() > 0 && !more_work(p, j, tiles);
+        const bool last_turns = PINGPONG && !DYNAMIC && b.count() > 0 && !more_work(p, j, tiles);
         consume_tile(p, pipe, sQ + qb * Q_BYTES, sK, sV, b, tile, g, last_turns, wg);
         g += b.count();
         // This warpgroup's output has left the Q buffer: the producer may refill it.
         if (tid == 0) mbar_arrive(smem_u32(&pipe.q_empty[qb]));
+    }
+    if constexpr (PINGPONG && DYNAMIC) {
+        // Every turn ended with a hand-over, the last warpgroup's last one to the first: taken here,
+        // so no named barrier is left half-arrived at exit.
+        if (wg == 0) named_sync(PINGPONG_BARRIER, 2 * WG_THREADS);
     }
 }
 
@@ -459,7 +522,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
     const int wg = threadIdx.x / WG_THREADS;
     if (wg == 0) {
         if constexpr (SET_MAX_REGS) regs_dealloc<PRODUCER_REGS>();
-        if (threadIdx.x == 0) produce(p, pipe, sQ, sK, sV, tiles);
+        if (DYNAMIC ? threadIdx.x < 32 : threadIdx.x == 0) produce(p, pipe, sQ, sK, sV, tiles);
     } else {
         if constexpr (SET_MAX_REGS) regs_alloc<CONSUMER_REGS>();
         consume(p, pipe, sQ, sK, sV, tiles, wg - 1);
