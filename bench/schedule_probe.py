@@ -20,8 +20,10 @@ VARIANTS = [("pairs", "m128n128s2opr", None), ("dyn", "m128n128s2opd", None), ("
             ("grid", "m128n128s2op", None)]
 DOC = "doc[b, q_idx] == doc[b, kv_idx] and causal"
 
+
 def cfg(label):
     return sm90.Sm90Config.from_label(label).to_dict()
+
 
 def run_point(name, d, mask, B, S, H, Hkv, extra=None, pairs=None, variants=VARIANTS):
     sets = input_sets(B, S, H, d, kv_heads=Hkv)
@@ -42,21 +44,28 @@ def run_point(name, d, mask, B, S, H, Hkv, extra=None, pairs=None, variants=VARI
     sm90.L2_SECTION_BYTES = 25 << 20
     print("  ".join(line), flush=True)
 
-with torch.no_grad():
-    ids, lengths = _document_ids()
-    doc_pairs = int(sum(n * (n + 1) // 2 for n in lengths.tolist()))
-    run_point("documents", 128, DOC, 1, 16384, 16, 16, {"doc": ids.cuda()}, pairs=doc_pairs)
-    wpairs = sum(min(i + 1, WINDOW) for i in range(16384))
-    run_point("window4096", 128, f"sliding_window({WINDOW - 1}, 0)", 1, 16384, 16, 16, pairs=wpairs)
-    run_point("causal16k", 128, "causal", 1, 16384, 16, 16)
-    run_point("gqa8k", 128, "causal", 2, 8192, 32, 8)
-    run_point("causal2k", 128, "causal", 8, 2048, 16, 16)
-    run_point("none2k", 128, "none", 8, 2048, 16, 16)
-    d64 = [("grid192", "m192n128s2op", None), ("dyn192", "m192n128s2opd", None), ("dyn192-hm", "m192n128s2opd", 1)]
-    run_point("d64causal2k", 64, "causal", 8, 2048, 32, 32, variants=d64)
-    run_point("d64none2k", 64, "none", 8, 2048, 32, 32, variants=d64 + [("pairs192", "m192n128s2opr", None)])
-    d64 = [("grid192", "m192n128s2op", None), ("dyn192", "m192n128s2opd", None), ("pairs192", "m192n128s2opr", None)]
-    run_point("d64none8k", 64, "none", 2, 8192, 32, 32, variants=d64)
-    run_point("d64none16k", 64, "none", 1, 16384, 32, 32, variants=d64)
-    run_point("d64causal16k", 64, "causal", 1, 16384, 32, 32, variants=d64)
-    run_point("d64causal4k", 64, "causal", 4, 4096, 32, 32, variants=d64)
+
+def main() -> None:
+    with torch.no_grad():
+        ids, lengths = _document_ids()
+        doc_pairs = int(sum(n * (n + 1) // 2 for n in lengths.tolist()))
+        run_point("documents", 128, DOC, 1, 16384, 16, 16, {"doc": ids.cuda()}, pairs=doc_pairs)
+        wpairs = sum(min(i + 1, WINDOW) for i in range(16384))
+        run_point("window4096", 128, f"sliding_window({WINDOW - 1}, 0)", 1, 16384, 16, 16, pairs=wpairs)
+        run_point("causal16k", 128, "causal", 1, 16384, 16, 16)
+        run_point("gqa8k", 128, "causal", 2, 8192, 32, 8)
+        run_point("causal2k", 128, "causal", 8, 2048, 16, 16)
+        run_point("none2k", 128, "none", 8, 2048, 16, 16)
+        d64 = [("grid192", "m192n128s2op", None), ("dyn192", "m192n128s2opd", None), ("dyn192-hm", "m192n128s2opd", 1)]
+        run_point("d64causal2k", 64, "causal", 8, 2048, 32, 32, variants=d64)
+        run_point("d64none2k", 64, "none", 8, 2048, 32, 32, variants=d64 + [("pairs192", "m192n128s2opr", None)])
+        d64 = [("grid192", "m192n128s2op", None), ("dyn192", "m192n128s2opd", None),
+               ("pairs192", "m192n128s2opr", None)]
+        run_point("d64none8k", 64, "none", 2, 8192, 32, 32, variants=d64)
+        run_point("d64none16k", 64, "none", 1, 16384, 32, 32, variants=d64)
+        run_point("d64causal16k", 64, "causal", 1, 16384, 32, 32, variants=d64)
+        run_point("d64causal4k", 64, "causal", 4, 4096, 32, 32, variants=d64)
+
+
+if __name__ == "__main__":
+    main()

@@ -550,9 +550,9 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[32], const u32 (&a)[4], u64 
 //   would, and hands it to the consumers through shared memory between two named barriers
 //   (TILE_FULL, TILE_EMPTY). Tiles come in sections of heads whose K/V fit in L2 together,
 //   longest query blocks first across a section's heads: balanced under any mask.
-// Persistent grids overlap one tile's epilogue with the next one's loads. Warp specialisation: warpgroup 0 is the producer, one thread
-// of which streams Q (Q_BUFFERS deep) and the K/V blocks through a NUM_STAGES-deep ring with
-// TMA, completing on mbarriers; the ring runs on across tiles.
+// Persistent grids overlap one tile's epilogue with the next one's loads. Warp specialisation:
+// warpgroup 0 is the producer, one thread of which streams Q (Q_BUFFERS deep) and the K/V blocks
+// through a NUM_STAGES-deep ring with TMA, completing on mbarriers; the ring runs on across tiles.
 // Warpgroups 1..CONSUMERS each own 64 query rows: S = Q K^T on wgmma (both operands in shared
 // memory), the online softmax in registers, O += P V on wgmma with P straight from registers.
 // OVERLAP issues S of block j+1 before the P V of block j, so the softmax of one block runs

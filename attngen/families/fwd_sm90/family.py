@@ -6,8 +6,9 @@ rows each run S = Q K^T and O += P V on wgmma with the online softmax in registe
 (flash_fwd_sm90.cuh). The config: keys per block, consumer warpgroups, ring stages, whether
 each warpgroup overlaps its softmax with its own GEMMs, whether the warpgroups take turns
 issuing GEMMs (pingpong), and the tile schedule (one CTA per tile, or one per SM dealt pairs of
-tiles or taking them from a counter the module's reset kernel zeroes before each launch). Runs only on sm_90a (H100, H200): wgmma and setmaxnreg exist nowhere
-else, and the runtime always plans for the GPU it runs on.
+tiles or taking them from a counter the module's reset kernel zeroes before each launch). Runs
+only on sm_90a (H100, H200): wgmma and setmaxnreg exist nowhere else, and the runtime always
+plans for the GPU it runs on.
 """
 
 from __future__ import annotations
