@@ -15,7 +15,8 @@ from attngen.build import nvcc
 from attngen.decoding import append_kv
 from attngen.errors import SpecError
 from attngen.families import DECODE_FAMILIES, plan_spec
-from attngen.families.decode_sm80.family import MIN_BLOCKS_PER_SPLIT, choose_splits
+from attngen.families.base import DecodeCall
+from attngen.families.decode_sm80.family import COMBINE_THREADS, FAMILY, MIN_BLOCKS_PER_SPLIT, choose_splits
 from attngen.runtime.decode import check_decode_inputs, check_num_splits, decode_plan
 from attngen.runtime.tensors import TensorInfo
 from attngen.spec import AttentionSpec
@@ -76,6 +77,23 @@ def test_splits_fill_the_gpu_and_keep_blocks_per_split():
     # A short cache: every split keeps MIN_BLOCKS_PER_SPLIT blocks of a full cache.
     s = choose_splits(1, 8, 1, 256, 64, 132, 2)
     assert s <= 256 // 64 // MIN_BLOCKS_PER_SPLIT
+    # 64 blocks of 8 kv heads: 32 splits of 2 blocks fill one wave; 29 (most slots busy) would leave
+    # splits of 3 blocks, and the longest split sets a CTA's time.
+    assert choose_splits(1, 8, 1, 4096, 64, 132, 2) == 32
+    # 8 x 8 row tiles on 264 slots: 4 splits of 32 blocks in one wave beat 8 splits over two.
+    assert choose_splits(8, 8, 1, 8192, 64, 132, 2) == 4
+
+
+def test_the_combine_takes_one_cta_per_output_row():
+    plan = decode_plan(AttentionSpec(head_dim=128, gqa_ratio=4), H100, True)
+    call = DecodeCall(*(info(name, shape, dtype) for name, shape, dtype in (
+        ("q", (3, 2, 8, 128), "bfloat16"), ("k_cache", (40, 64, 2, 128), "bfloat16"),
+        ("v_cache", (40, 64, 2, 128), "bfloat16"), ("cache_seqlens", (3,), "int32"),
+        ("page_table", (3, 10), "int32"), ("out", (3, 2, 8, 128), "bfloat16"), ("lse", (3, 8, 2), "float32"))),
+        0.1, 5)
+    main, combine = FAMILY.launches(plan, call)
+    assert main.grid == (2, 5, 3)  # (kv heads x row tiles, splits, batch)
+    assert combine.grid == (3 * 2 * 8, 1, 1) and combine.block == (COMBINE_THREADS, 1, 1)
 
 
 def test_the_forward_front_door_refuses_a_decode_family():

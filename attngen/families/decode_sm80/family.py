@@ -4,10 +4,11 @@ A decode step has a few new query tokens per sequence and reads the whole KV cac
 memory bandwidth, so the kernel's job is to read every cached byte once, with enough bytes in
 flight. One CTA takes one (split, kv head, row tile, sequence): its rows are the kv head's query
 heads times the new tokens (GQA packing), its keys one split's share of the cached blocks, which
-stream through a cp.async ring; every warp holds all the rows and takes its own keys of each block
-(flash_decode.cuh). With more than one split a combine kernel merges the splits' partials through
-their LSEs. The number of splits is chosen per call from the shapes alone (`choose_splits`: no
-host synchronisation, so a call can be captured in a CUDA graph), or given by the caller.
+stream through a cp.async ring whose stages are all filled at the start; every warp holds all the
+rows and takes its own keys of each block (flash_decode.cuh). With more than one split a combine
+kernel merges the splits' partials through their LSEs. The number of splits is chosen per call
+from the shapes alone (`choose_splits`: no host synchronisation, so a call can be captured in a
+CUDA graph), or given by the caller.
 
 The cache is paged, `(num_pages, page_size, heads_kv, head_dim)` with a page table `(batch,
 pages_per_sequence)` int32, or contiguous, `(batch, capacity, heads_kv, head_dim)`; each sequence's
@@ -55,8 +56,10 @@ NUM_STAGES = (2, 3, 4)
 # at d256 is 128 + 64 registers for O and Q, the most that leaves room for S and addresses.
 MAX_ROWS_TIMES_DIM = 16 * 256
 MIN_WARP_KEYS = 16  # a warp takes whole k16 steps of each block
-COMBINE_THREADS = 128  # 4 output rows per combine CTA, one warp each
+COMBINE_THREADS = 128  # one output row per combine CTA, its 4 warps sharing the splits (COMBINE_WARPS)
 MIN_BLOCKS_PER_SPLIT = 2  # shorter splits cost more in partials and combine than they gain
+# A CTA's fixed cost (prologue latency, the warps' merge, its partials), in key blocks' time.
+CTA_FIXED_BLOCKS = 1
 _LABEL = re.compile(r"m(\d+)n(\d+)w(\d+)s(\d+)")
 
 
@@ -141,19 +144,19 @@ def smem_bytes(config: DecodeConfig, head_dim: int) -> int:
 
 def choose_splits(batch: int, kv_heads: int, row_tiles: int, capacity: int, block_n: int, sms: int,
                   ctas_per_sm: int) -> int:
-    """Splits per sequence from the shapes alone (the lengths are on the device): the fewest that
-    fill the GPU's CTA slots as well as any count does, each split keeping at least
-    MIN_BLOCKS_PER_SPLIT key blocks of a full cache."""
+    """Splits per sequence from the shapes alone (the lengths are on the device): the count whose
+    CTAs finish first in a model of waves over the GPU's CTA slots, each CTA taking its split's
+    blocks of a full cache (splits differ by at most one block) plus CTA_FIXED_BLOCKS; the fewest
+    splits among equals, each keeping at least MIN_BLOCKS_PER_SPLIT blocks."""
     base = batch * kv_heads * row_tiles
     slots = max(1, sms * ctas_per_sm)
-    most = max(1, min(MAX_SPLITS, math.ceil(capacity / block_n) // MIN_BLOCKS_PER_SPLIT))
+    blocks = math.ceil(capacity / block_n)
+    most = max(1, min(MAX_SPLITS, blocks // MIN_BLOCKS_PER_SPLIT))
 
-    def efficiency(splits: int) -> float:  # the busy fraction of the slots over the waves it takes
-        ctas = base * splits
-        return ctas / (math.ceil(ctas / slots) * slots)
+    def cost(splits: int) -> int:
+        return math.ceil(base * splits / slots) * (math.ceil(blocks / splits) + CTA_FIXED_BLOCKS)
 
-    best = max(efficiency(s) for s in range(1, most + 1))
-    return next(s for s in range(1, most + 1) if efficiency(s) >= 0.9 * best)
+    return min(range(1, most + 1), key=lambda splits: (cost(splits), splits))
 
 
 class Sm80Decode(KernelFamily):
@@ -246,8 +249,7 @@ class Sm80Decode(KernelFamily):
         launches = [Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, params)]
         if call.num_splits > 1:
             rows = call.batch * call.seq_q * call.heads_q
-            launches.append(Launch(f"{plan.name}_combine", (math.ceil(rows * 32 / COMBINE_THREADS), 1, 1),
-                                   (COMBINE_THREADS, 1, 1), 0, params))
+            launches.append(Launch(f"{plan.name}_combine", (rows, 1, 1), (COMBINE_THREADS, 1, 1), 0, params))
         return launches
 
     def estimate(self, plan, report, gpu, shape):

@@ -66,17 +66,39 @@ __device__ __forceinline__ void flash_decode(const Params& p) {
     const int Sk = bad ? 0 : len;
     const float score_log2 = score::MODIFIED ? LOG2E : p.scale_log2;
 
-    // The keys this CTA visits: the mask's bounds over its tokens, cut into equal runs of blocks per split.
+    // The keys this CTA visits: the mask's bounds over its tokens, cut into runs of blocks per split
+    // that differ by at most one block (a CTA's time is its longest split's).
     const int t_first = r0 / GQA_RATIO, t_end = min(Sq, (r0 + BLOCK_M + GQA_RATIO - 1) / GQA_RATIO);
     const mask::Bounds bounds = mask::bounds(t_first, t_end, Sq, Sk, batch, kv_head * GQA_RATIO, p);
     const int all_begin = bounds.kv_begin / BLOCK_N;
     const int all_end = bounds.kv_end > bounds.kv_begin ? (bounds.kv_end + BLOCK_N - 1) / BLOCK_N : all_begin;
-    const int per_split = (all_end - all_begin + p.num_splits - 1) / p.num_splits;
-    const int n_begin = min(all_end, all_begin + split * per_split);
-    const int n_blocks = min(all_end, n_begin + per_split) - n_begin;
+    const int all_blocks = all_end - all_begin;
+    const int n_begin = all_begin + (int)((i64)split * all_blocks / p.num_splits);
+    const int n_blocks = all_begin + (int)((i64)(split + 1) * all_blocks / p.num_splits) - n_begin;
 
     const elem_t* k_head = p.k + kv_head * p.k_sh;
     const elem_t* v_head = p.v + kv_head * p.v_sh;
+    // A cached row's offsets in K and V, or false when it is past the cache or its page id is bad (a
+    // bad page id is never read: the sequence's rows become NaN).
+    auto row_offsets = [&](int n, i64& k_off, i64& v_off) {
+        k_off = v_off = 0;
+        if (n >= Sk) return false;
+        if constexpr (PAGED) {
+            // The page table row holds capacity / page_size entries, and n < Sk <= capacity.
+            const int page = p.page_table[(i64)batch * p.pt_sb + n / p.page_size];
+            const int slot = n % p.page_size;
+            if ((unsigned)page >= (unsigned)p.num_pages) {
+                bad = true;
+                return false;
+            }
+            k_off = (i64)page * p.k_sp + (i64)slot * p.k_ss;
+            v_off = (i64)page * p.v_sp + (i64)slot * p.v_ss;
+        } else {
+            k_off = (i64)batch * p.k_sp + (i64)n * p.k_ss;
+            v_off = (i64)batch * p.v_sp + (i64)n * p.v_ss;
+        }
+        return true;
+    };
     auto load_kv = [&](int it) {
         const int stage = it % NUM_STAGES, n0 = (n_begin + it) * BLOCK_N;
         const u32 dk = sKV + 2 * stage * KV_TILE_BYTES, dv = dk + KV_TILE_BYTES;
@@ -84,23 +106,9 @@ __device__ __forceinline__ void flash_decode(const Params& p) {
         for (int i = 0; i < (BLOCK_N * CHUNKS + THREADS - 1) / THREADS; ++i) {
             const int c = threadIdx.x + i * THREADS;
             if ((BLOCK_N * CHUNKS) % THREADS == 0 || c < BLOCK_N * CHUNKS) {
-                const int r = c / CHUNKS, col = (c % CHUNKS) * 8, n = n0 + r;
-                bool in = n < Sk;
-                i64 k_off = 0, v_off = 0;
-                if (in) {
-                    if constexpr (PAGED) {
-                        // The page table row holds capacity / page_size entries, and n < Sk <= capacity.
-                        const int page = p.page_table[(i64)batch * p.pt_sb + n / p.page_size];
-                        const int slot = n % p.page_size;
-                        in = (unsigned)page < (unsigned)p.num_pages;  // a bad page id is never read
-                        bad |= !in;
-                        k_off = in ? (i64)page * p.k_sp + (i64)slot * p.k_ss : 0;
-                        v_off = in ? (i64)page * p.v_sp + (i64)slot * p.v_ss : 0;
-                    } else {
-                        k_off = (i64)batch * p.k_sp + (i64)n * p.k_ss;
-                        v_off = (i64)batch * p.v_sp + (i64)n * p.v_ss;
-                    }
-                }
+                const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+                i64 k_off, v_off;
+                const bool in = row_offsets(n0 + r, k_off, v_off);
                 // Rows past the cache come back as zeros: never NaN into the tensor cores.
                 cp_async_16(dk + r * ROW_BYTES + col * 2, k_head + k_off + col, in);
                 cp_async_16(dv + r * ROW_BYTES + col * 2, v_head + v_off + col, in);
@@ -117,8 +125,10 @@ __device__ __forceinline__ void flash_decode(const Params& p) {
         cp_async_16(sQ + r * ROW_BYTES + col * 2, p.q + batch * p.q_sb + token * p.q_ss + head * p.q_sh + col, in);
     }
     cp_async_commit();
+    // Every stage of the ring is filled at once (a split of up to NUM_STAGES blocks requests all of
+    // them before the first lands); a stage is refilled once every warp has read its block.
 #pragma unroll
-    for (int s = 0; s < NUM_STAGES - 1; ++s) {
+    for (int s = 0; s < NUM_STAGES; ++s) {
         if (s < n_blocks) load_kv(s);
         else cp_async_commit();  // empty groups keep the wait counts uniform
     }
@@ -152,7 +162,7 @@ __device__ __forceinline__ void flash_decode(const Params& p) {
         row_max[mt][0] = row_max[mt][1] = NEG_INF;
         row_sum[mt][0] = row_sum[mt][1] = 0.f;
     }
-    cp_async_wait<NUM_STAGES - 1>();
+    cp_async_wait<NUM_STAGES>();  // Q landed (the groups after it are the ring's blocks)
     __syncthreads();
     if constexpr (Q_IN_REGS) {
 #pragma unroll
@@ -163,10 +173,15 @@ __device__ __forceinline__ void flash_decode(const Params& p) {
 
 #pragma unroll 1
     for (int it = 0; it < n_blocks; ++it) {
-        cp_async_wait<NUM_STAGES - 2>();
-        __syncthreads();  // block `it` landed for every thread; the stage read last step is free
-        if (it + NUM_STAGES - 1 < n_blocks) load_kv(it + NUM_STAGES - 1);
-        else cp_async_commit();
+        // Groups: Q, the ring's first NUM_STAGES blocks, then one per iteration from the second on, so
+        // block `it` is group it + 1 and the groups after it number NUM_STAGES - 1, then - 2.
+        if (it == 0) cp_async_wait<NUM_STAGES - 1>();
+        else cp_async_wait<NUM_STAGES - 2>();
+        __syncthreads();  // block `it` landed for every thread; block it - 1's stage has been read
+        if (it > 0) {
+            if (it - 1 + NUM_STAGES < n_blocks) load_kv(it - 1 + NUM_STAGES);
+            else cp_async_commit();  // empty groups keep the wait counts uniform
+        }
 
         const int stage = it % NUM_STAGES;
         const u32 sK = sKV + 2 * stage * KV_TILE_BYTES + warp * WARP_N * ROW_BYTES, sV = sK + KV_TILE_BYTES;
@@ -340,46 +355,87 @@ __device__ __forceinline__ void flash_decode(const Params& p) {
     }
 }
 
-// One warp per (sequence, token, query head): the splits' partials weighted by their LSEs.
+// One CTA per (sequence, token, query head): the splits' partials weighted by their LSEs. Every
+// warp reads all the LSEs (each lane a strided share), then takes its own splits' partials, whose
+// weights are known before any partial is read: all of a warp's partial loads are in flight at once
+// (up to COMBINE_UNROLL per lane per round) and the warps' sums merge through shared memory. A small
+// call's combine is then two L2 round trips, not 2 x splits of them in one warp.
+constexpr int COMBINE_WARPS = 4;  // family.py COMBINE_THREADS / 32
+constexpr int COMBINE_UNROLL = 8;
+
 __device__ __forceinline__ void combine(const Params& p) {
-    constexpr int PER_LANE = HEAD_DIM / 32;
-    const int lane = threadIdx.x % 32;
-    const i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    const i64 rows = (i64)p.batch * p.Sq * p.Hq;
-    if (row >= rows) return;
+    constexpr int PER_LANE = HEAD_DIM / 32;  // contiguous columns of each lane
+    const unsigned full = 0xffffffffu;
+    __shared__ float merge_acc[COMBINE_WARPS][HEAD_DIM];
+    __shared__ float merge_sum[COMBINE_WARPS];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const i64 row = blockIdx.x, rows = (i64)p.batch * p.Sq * p.Hq;
     const int head = (int)(row % p.Hq), token = (int)(row / p.Hq % p.Sq), batch = (int)(row / ((i64)p.Hq * p.Sq));
     const int splits = p.num_splits;
     float mx = NEG_INF;
     bool nan_seen = false;
     for (int s = lane; s < splits; s += 32) {
-        const float l = p.lse_part[s * rows + row];
+        const float l = __ldcg(p.lse_part + s * rows + row);
         nan_seen |= l != l;
         mx = fmaxf(mx, l);
     }
 #pragma unroll
-    for (int d = 16; d > 0; d /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
-    nan_seen = __any_sync(0xffffffffu, nan_seen);
+    for (int d = 16; d > 0; d /= 2) mx = fmaxf(mx, __shfl_xor_sync(full, mx, d));
+    nan_seen = __any_sync(full, nan_seen);
     const float ref = mx == NEG_INF ? 0.f : mx;
+
+    // This warp's splits: warp, warp + COMBINE_WARPS, ... (lane u of a round holds split j0 + u's weight).
     float sum = 0.f, acc[PER_LANE];
 #pragma unroll
-    for (int j = 0; j < PER_LANE; ++j) acc[j] = 0.f;
+    for (int k = 0; k < PER_LANE; ++k) acc[k] = 0.f;
+    const float* o_row = p.o_part + row * HEAD_DIM + lane * PER_LANE;
 #pragma unroll 1
-    for (int s = 0; s < splits; ++s) {
-        const float w = exp2f(p.lse_part[s * rows + row] - ref);  // 0 for a split that saw no key
-        sum += w;
-        if (w > 0.f) {
-            const float* o = p.o_part + (s * rows + row) * HEAD_DIM + lane;
+    for (int j0 = warp; j0 < splits; j0 += 32 * COMBINE_WARPS) {
+        const int s_lane = j0 + lane * COMBINE_WARPS;
+        // 0 for a split that saw no key (its partial is zeros) and for lanes past the last split.
+        const float w_lane = s_lane < splits ? exp2f(__ldcg(p.lse_part + s_lane * rows + row) - ref) : 0.f;
+        sum += w_lane;
+        const int n = min(32, (splits - j0 + COMBINE_WARPS - 1) / COMBINE_WARPS);
+#pragma unroll 1
+        for (int u0 = 0; u0 < n; u0 += COMBINE_UNROLL) {
+            float part[COMBINE_UNROLL][PER_LANE];
 #pragma unroll
-            for (int j = 0; j < PER_LANE; ++j) acc[j] += w * o[32 * j];
+            for (int u = 0; u < COMBINE_UNROLL; ++u) {
+                const i64 s_u = j0 + (i64)(u0 + u) * COMBINE_WARPS;
+#pragma unroll
+                for (int k = 0; k < PER_LANE; ++k)
+                    part[u][k] = u0 + u < n ? __ldcg(o_row + s_u * rows * HEAD_DIM + k) : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < COMBINE_UNROLL; ++u) {
+                const float w = __shfl_sync(full, w_lane, (u0 + u) % 32);
+#pragma unroll
+                for (int k = 0; k < PER_LANE; ++k) acc[k] += w * part[u][k];
+            }
         }
     }
+#pragma unroll
+    for (int d = 16; d > 0; d /= 2) sum += __shfl_xor_sync(full, sum, d);
+#pragma unroll
+    for (int k = 0; k < PER_LANE; ++k) merge_acc[warp][lane * PER_LANE + k] = acc[k];
+    if (lane == 0) merge_sum[warp] = sum;
+    __syncthreads();
+    if (warp != 0) return;
+    sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < COMBINE_WARPS; ++w) sum += merge_sum[w];
     const int len = cache_len(p, batch);
     float lse;
     float inv = score::finish_row(mx, sum, token, p.Sq, len < 0 ? 0 : len, batch, head, p, lse);
     if (nan_seen) inv = lse = __int_as_float(0x7fc00000);
-    elem_t* o = p.o + batch * p.o_sb + token * p.o_ss + head * p.o_sh + lane;
+    elem_t* out = p.o + batch * p.o_sb + token * p.o_ss + head * p.o_sh + lane * PER_LANE;
 #pragma unroll
-    for (int j = 0; j < PER_LANE; ++j) o[32 * j] = (elem_t)(pack2<IS_BF16>(acc[j] * inv, 0.f) & 0xffffu);
+    for (int k = 0; k < PER_LANE; ++k) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < COMBINE_WARPS; ++w) v += merge_acc[w][lane * PER_LANE + k];
+        out[k] = (elem_t)(pack2<IS_BF16>(v * inv, 0.f) & 0xffffu);
+    }
     if (lane == 0) p.lse[((i64)batch * p.Hq + head) * p.Sq + token] = lse;
 }
 
