@@ -131,8 +131,9 @@ def bench_shape(batch: int, seqlen: int, copy_tbps: float) -> dict:
 
 
 def bench_graph(copy_tbps: float) -> dict:
-    """A decode step (append the new token's K/V, then attend) captured in a CUDA graph and replayed,
-    at 1 x 4096 tokens, paged; caches rotated so L2 does not hold them."""
+    """A decode step's attention (the split kernel and the combine; appending the new token's K/V is
+    not timed) captured in a CUDA graph and replayed, at 1 x 4096 tokens, paged; caches rotated so
+    L2 does not hold them."""
     import torch
 
     import attngen

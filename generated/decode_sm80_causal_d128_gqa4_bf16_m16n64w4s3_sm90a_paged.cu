@@ -734,6 +734,7 @@ __device__ __forceinline__ void combine(const Params& p) {
 }  // namespace fd
 
 static_assert(fd::SMEM_BYTES == 108800, "attngen/families/decode_sm80/family.py smem_bytes() and the template disagree");
+static_assert(fd::COMBINE_WARPS * 32 == 128, "family.py COMBINE_THREADS and flash_decode.cuh COMBINE_WARPS disagree");
 
 extern "C" __global__ void __launch_bounds__(128)
 decode_sm80_causal_d128_gqa4_bf16_m16n64w4s3_sm90a_paged(const __grid_constant__ DecodeParams p) {
