@@ -47,7 +47,8 @@ _SPEC_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 
 def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = None, score_mod: str | None = None,
               sink: str | None = None, inputs: dict | None = None, softmax_scale: float | None = None,
-              return_lse: bool = False, dropout_p: float = 0.0, dropout_seed=None, deterministic: bool | None = None):
+              return_lse: bool = False, dropout_p: float = 0.0, dropout_seed=None, deterministic: bool | None = None,
+              block_mask=None):
     """Attention forward, softmax(score_mod(scale * q k^T) + mask) v, in one fused kernel.
 
     Args:
@@ -98,6 +99,13 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
             setting (torch.use_deterministic_algorithms). With a spec, True needs the spec's to be
             true, and torch's setting with a spec that is not raises (warns in warn_only mode), as
             torch does for an op without a deterministic implementation.
+        block_mask: None (default), or a FlexAttention BlockMask (torch.nn.attention.flex_attention:
+            create_block_mask, BlockMask.from_kv_blocks) of int32 tensors on q's device: a key is
+            visible where its block is listed full, or listed partial and `mask` holds; unlisted
+            blocks are hidden and never loaded (attngen/block_sparse.py, docs/masks.md "Block
+            sparsity"). `mask` stands in for the BlockMask's mask_mod, a Python callable attngen
+            cannot compile: a BlockMask built with one needs `mask` given (the same mask as an
+            expression, or "none").
 
     Returns:
         out, like q (new, contiguous), in q's dtype; with return_lse, (out, lse) where lse is
@@ -125,6 +133,10 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
         realise, a dropout_seed that is no int in [0, 2**64) or an int64 CUDA tensor of shape (2,).
     """
     _check_seed(dropout_seed)
+    if block_mask is not None:
+        from attngen import block_sparse
+
+        mask, inputs = block_sparse.lowered_call(block_mask, mask, inputs, q, k)
     if type(q).__module__.startswith("torch"):
         import torch
 

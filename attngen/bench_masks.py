@@ -12,6 +12,9 @@ same process: d128, 16 heads, bf16, one 16384-token sequence.
                 time against the document-ids mask (its arrays are built from cu_seqlens per call)
   mask_build    what a call costs beyond the kernel for a document mask: attngen copies the ids;
                 FlexAttention's create_block_mask builds its block mask
+  block_sparse  a block-sparse causal pattern with holes (each 128-row block sees its 3 latest key
+                blocks and every 8th one): FlexAttention with its BlockMask, attngen with the same
+                BlockMask (block_mask=, lowered per call) and as an expression; useful TFLOP/s
 
 FLOPs are counted over visible (query, key) pairs only: 4 * D per pair."""
 
@@ -110,6 +113,9 @@ def run_mask_bench(out_dir: Path) -> dict:
         copy_ms = _time_ms(lambda: ids.to("cuda", non_blocking=True))
         results["mask_build"] = {"flex_create_block_mask_ms": build_ms, "attngen_copy_ids_ms": copy_ms}
 
+        results["block_sparse"] = _block_sparse(torch, attngen, create_block_mask, flex, q, k, v, qt, kt, vt,
+                                                pair_flops, causal_pairs / causal_ms)
+
     props = torch.cuda.get_device_properties(0)
     meta = {"gpu": props.name, "date": _dt.date.today().isoformat(), "torch": torch.__version__,
             "setup": f"bf16, 1 x {SEQLEN} tokens, {HEADS} heads, d{HEAD_DIM}; FLOPs over visible pairs only"}
@@ -120,3 +126,33 @@ def run_mask_bench(out_dir: Path) -> dict:
     for name, row in results.items():
         print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "lengths"})
     return results
+
+
+BLOCK = 128
+LOCAL_BLOCKS = 3
+STRIDE_BLOCKS = 8
+
+
+def _block_sparse(torch, attngen, create_block_mask, flex, q, k, v, qt, kt, vt, pair_flops, causal_pairs_per_ms):
+    """The block_sparse case: times and useful TFLOP/s of the three ways to run one pattern."""
+    expression = (f"q_idx >= kv_idx and (q_idx // {BLOCK} - kv_idx // {BLOCK} < {LOCAL_BLOCKS} "
+                  f"or (kv_idx // {BLOCK}) % {STRIDE_BLOCKS} == 0)")
+
+    def pattern(b, h, qi, ki):
+        return (qi >= ki) & (((qi // BLOCK - ki // BLOCK) < LOCAL_BLOCKS) | ((ki // BLOCK) % STRIDE_BLOCKS == 0))
+
+    bm = create_block_mask(pattern, None, None, SEQLEN, SEQLEN, device="cuda", BLOCK_SIZE=BLOCK)
+    rows = torch.arange(SEQLEN, device="cuda")[:, None]
+    pairs = sum(int(pattern(0, 0, rows[i:i + 1024], torch.arange(SEQLEN, device="cuda")[None, :]).sum())
+                for i in range(0, SEQLEN, 1024))
+    flex_ms = _time_ms(lambda: flex(qt, kt, vt, block_mask=bm))
+    block_mask_ms = _time_ms(lambda: attngen.attention(q, k, v, block_mask=bm, mask="causal"))
+    expression_ms = _time_ms(lambda: attngen.attention(q, k, v, mask=expression))
+    tflops = {name: pairs * pair_flops / ms / 1e9 for name, ms in
+              (("flex", flex_ms), ("block_mask", block_mask_ms), ("expression", expression_ms))}
+    causal_tflops = causal_pairs_per_ms * pair_flops / 1e9
+    return {"pairs_fraction_of_causal": pairs / (SEQLEN * (SEQLEN + 1) // 2), "flex_ms": flex_ms,
+            "block_mask_ms": block_mask_ms, "expression_ms": expression_ms,
+            **{f"{name}_tflops": value for name, value in tflops.items()},
+            "block_mask_vs_flex": flex_ms / block_mask_ms, "expression_vs_flex": flex_ms / expression_ms,
+            "block_mask_vs_dense_causal_tflops": tflops["block_mask"] / causal_tflops}

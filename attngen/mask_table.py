@@ -15,7 +15,10 @@ stream (attngen/cuda/mask.cuh.j2):
              range over a block read from the summaries (maskc classify with spans; the Python
              model is MaskProgram.classify with granule=GRANULE).
 
-The attention kernel then reads 4 ints per tile. Both live in the call's workspace
+The attention kernel then reads 4 ints per tile. For a FlexAttention BlockMask (attngen/block_sparse.py)
+a forward family also gets each tile's list of non-empty key blocks (last first, each flagged full
+or not), and a tile whose span has holes gets the entry {-1, count, 0, 0}: its kernel walks the list,
+so only the blocks the BlockMask shows are loaded; a tile without holes keeps its bounds. Both live in the call's workspace
 (workspace_bytes); nothing is built or copied on the host: the same inputs under CUDA graphs,
 any lengths, no recompilation.
 """
@@ -42,6 +45,9 @@ class MaskTable:
     inputs: tuple  # attngen/runtime_inputs.py Declared: the mask's int inputs with at least one index
     by_batch: bool  # the mask reads b: a table per batch entry
     by_head: bool  # the mask reads h: a table per query head
+    # The forward families' key-block width: each query block also gets its list of non-empty key
+    # blocks of this width. None: bounds only (backward families).
+    list_block_n: int | None = None
 
     @property
     def granule(self) -> int:
@@ -59,11 +65,11 @@ class MaskTable:
 
 
 @functools.lru_cache(maxsize=1024)
-def for_problem(problem) -> MaskTable | None:
-    """The table a problem's forward kernels build: for every mask without a closed form (None for
-    those with one). Without inputs to summarize only the table kernel runs; it still replaces each
-    tile's scan of every key block by one thread with a warp's (measured: `q_idx >= kv_idx` at 16k
-    ran 7% behind the built-in causal with the scan)."""
+def for_problem(problem, list_block_n: int | None = None) -> MaskTable | None:
+    """The table a problem's kernels build: for every mask without a closed form (None for those
+    with one), with key-block lists of width list_block_n when given. Without inputs to summarize
+    only the table kernel runs; it still replaces each tile's scan of every key block by one thread
+    with a warp's (measured: `q_idx >= kv_idx` at 16k ran 7% behind the built-in causal with the scan)."""
     from attngen.families.base import problem_inputs
     from attngen.maskc.ir import Var, walk
     from attngen.masks import get_mask
@@ -73,7 +79,25 @@ def for_problem(problem) -> MaskTable | None:
         return None
     summarized = tuple(d for d in problem_inputs(problem) if d.kind == "mask" and d.arity >= 1)
     read = {node.name for node in walk(lowering.program.ir) if isinstance(node, Var)}
-    return MaskTable(summarized, "b" in read, "h" in read)
+    return MaskTable(summarized, "b" in read, "h" in read, list_block_n if _lists_pay(problem) else None)
+
+
+def _lists_pay(problem) -> bool:
+    """Whether a forward kernel walks key-block lists for this mask: for a BlockMask's (holes are what
+    it is for) and for masks that divide kv_idx (// or %: strided, dilated and other periodic
+    patterns, whose spans have holes). Other masks keep the bounds alone: with lists built for the
+    packed-documents mask, whose tiles all walk their span anyway, its kernel ran 12% slower in a
+    same-run A/B (docs/perf-notes.md, "Key-block lists"); holes in their spans are loaded and masked."""
+    from attngen.block_sparse import STATE
+    from attngen.families.base import problem_inputs
+    from attngen.maskc.ir import INT_DIVISION, Op, Var, walk
+    from attngen.masks import get_mask
+
+    if any(d.name == STATE for d in problem_inputs(problem)):
+        return True
+    return any(isinstance(node, Op) and node.op in INT_DIVISION
+               and any(isinstance(v, Var) and v.name == "kv_idx" for v in walk(node))
+               for node in walk(get_mask(problem.mask).program.ir))
 
 
 def span_ref(name: str, leading: list, lo: str, hi: str) -> str:
@@ -93,15 +117,28 @@ def table_rows(table: MaskTable, call: ForwardCall) -> int:
     return (call.batch if table.by_batch else 1) * (call.heads_q if table.by_head else 1)
 
 
+def list_ints(table: MaskTable, call: ForwardCall) -> int:
+    """Ints of one query block's key-block list: up to one entry per key block (the count is in its
+    table entry, {-1, count, 0, 0}, where the list is walked)."""
+    return math.ceil(call.seq_k / table.list_block_n)
+
+
 def layout(table: MaskTable, call: ForwardCall, block_m: int) -> tuple[dict[str, int], int, int]:
-    """(input name -> byte offset of its summaries, offset of the table, total bytes) in the workspace."""
+    """(input name -> byte offset of its summaries, offset of the table, total bytes) in the workspace;
+    the key-block lists, when the table has them, follow the table (list_offset)."""
     offsets, offset = {}, 0
     for d in table.inputs:
         shape = call.input(d.name).shape
         offsets[d.name] = offset
         offset += _aligned(math.prod(shape[:-1]) * _granules(shape[-1]) * 8)
     entries = table_rows(table, call) * math.ceil(call.seq_q / block_m)
-    return offsets, offset, offset + _aligned(entries * 16)
+    lists = 0 if table.list_block_n is None else _aligned(entries * list_ints(table, call) * 4)
+    return offsets, offset, offset + _aligned(entries * 16) + lists
+
+
+def list_offset(table: MaskTable, call: ForwardCall, block_m: int) -> int:
+    _, table_offset, _ = layout(table, call, block_m)
+    return table_offset + _aligned(table_rows(table, call) * math.ceil(call.seq_q / block_m) * 16)
 
 
 def workspace_bytes(table: MaskTable | None, call: ForwardCall, block_m: int) -> int:
@@ -129,6 +166,10 @@ def with_table(abi: Abi, table: MaskTable | None, call_of: Callable, block_m: in
         params.append(Param(f"sum_{d.name}", "int*", "ptr", at(d.name),
                             f"min and max of {d.name} per {GRANULE} positions (workspace)"))
     params.append(Param("mask_table", "int*", "ptr", at(None), "bounds per query block (workspace)"))
+    if table.list_block_n is not None:
+        params.append(Param("mask_list", "int*", "ptr",
+                            lambda a: call_of(a).workspace + list_offset(table, call_of(a), block_m),
+                            "non-empty key blocks per query block (workspace)"))
     params.append(Param("mask_rows", "int", "i32", lambda a: table_rows(table, call_of(a)),
                         "(batch x heads) entries the table is kept for"))
     return Abi(abi.struct_name, params)

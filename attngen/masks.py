@@ -160,6 +160,19 @@ class MaskLowering:
         return scan_bounds(lambda n0, n1: self.program.classify(m0, m1 - 1, n0, n1 - 1, Sq, Sk, b=b, h=h,
                                                                 inputs=inputs, granule=granule), Sk, block_n)
 
+    def key_blocks(self, m0: int, m1: int, Sq: int, Sk: int, block_n: int, b: int = 0, h: int = 0,
+                   inputs: dict | None = None, granule: int | None = None) -> list[tuple[int, bool]]:
+        """The key-block list a forward kernel walks for rows [m0, m1) of a mask with a block table
+        (mask.cuh.j2 build_table): (n_block, full) of every non-empty block, the last first."""
+        blocks = []
+        for n_block in reversed(range(-(-Sk // block_n))):
+            n0 = n_block * block_n
+            c = self.program.classify(m0, m1 - 1, n0, min(n0 + block_n, Sk) - 1, Sq, Sk, b=b, h=h, inputs=inputs,
+                                      granule=granule)
+            if c != "empty":
+                blocks.append((n_block, c == "full"))
+        return blocks
+
 
 _CLASS = {"empty": 0, "partial": 1, "full": 2}
 

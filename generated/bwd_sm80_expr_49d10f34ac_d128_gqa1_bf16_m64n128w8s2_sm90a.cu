@@ -279,6 +279,29 @@ __device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch,
     return ((((long long)(p.in_doc[(b) * p.in_doc_s0 + (q_idx) * p.in_doc_s1])) == ((long long)(p.in_doc[(b) * p.in_doc_s0 + (kv_idx) * p.in_doc_s1]))) && (kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len)))))));
 }
 
+// LISTED: the kernel walks each tile's list of non-empty key blocks (key_blocks) instead of the
+// contiguous span of its bounds.
+constexpr bool LISTED = false;
+
+template <class P>
+__device__ __forceinline__ const int* key_blocks(int, int, int, int, int, const P&) { return nullptr; }
+
+// shown(): the element predicate a kernel applies to a block it masks. Under LISTED a block the
+// table classified full is masked only for its keys past Sk (a ragged last block), and any other
+// applies plan.partial_visible: the mask itself, or what it reduces to on every block the table can
+// call partial (a BlockMask's element mask where tiles lie inside its blocks: attngen/block_sparse.py).
+template <class P>
+__device__ __forceinline__ bool shown(int q, int k, int Sq, int Sk, int batch, int head, bool full_block, const P& p) {
+    if constexpr (LISTED) {
+        if (full_block) return true;
+        const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
+        (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p;
+        return ((((long long)(p.in_doc[(b) * p.in_doc_s0 + (q_idx) * p.in_doc_s1])) == ((long long)(p.in_doc[(b) * p.in_doc_s0 + (kv_idx) * p.in_doc_s1]))) && (kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len)))))));
+    }
+    (void)full_block;
+    return visible(q, k, Sq, Sk, batch, head, p);
+}
+
 
 // No closed form: kernels of this module ran first this call (below), so the bounds of each query
 // block are in p.mask_table (attngen/mask_table.py).
@@ -297,6 +320,7 @@ __device__ __forceinline__ Bounds bounds(int m0, int, int Sq, int, int batch, in
     const int4 t = reinterpret_cast<const int4*>(p.mask_table)[table_row(batch, head, p) * m_blocks + m0 / cfg::BLOCK_M];
     return {t.x, t.y, t.z, t.w};
 }
+
 
 // doc's values over positions [lo, hi] of its last index (the leading ones exact): the
 // element itself at one position, else the min and max of the granules the range touches
@@ -427,7 +451,9 @@ __device__ void build_table(const P& p) {
             }
         }
     }
+
     if (lane == 0) reinterpret_cast<int4*>(p.mask_table)[warp] = make_int4(kv_begin, kv_end, full_begin, full_end);
+
 }
 
 }  // namespace mask

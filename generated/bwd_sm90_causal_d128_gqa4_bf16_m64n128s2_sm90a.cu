@@ -344,6 +344,29 @@ __device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch,
     return (kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len))))));
 }
 
+// LISTED: the kernel walks each tile's list of non-empty key blocks (key_blocks) instead of the
+// contiguous span of its bounds.
+constexpr bool LISTED = false;
+
+template <class P>
+__device__ __forceinline__ const int* key_blocks(int, int, int, int, int, const P&) { return nullptr; }
+
+// shown(): the element predicate a kernel applies to a block it masks. Under LISTED a block the
+// table classified full is masked only for its keys past Sk (a ragged last block), and any other
+// applies plan.partial_visible: the mask itself, or what it reduces to on every block the table can
+// call partial (a BlockMask's element mask where tiles lie inside its blocks: attngen/block_sparse.py).
+template <class P>
+__device__ __forceinline__ bool shown(int q, int k, int Sq, int Sk, int batch, int head, bool full_block, const P& p) {
+    if constexpr (LISTED) {
+        if (full_block) return true;
+        const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
+        (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p;
+        return (kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len))))));
+    }
+    (void)full_block;
+    return visible(q, k, Sq, Sk, batch, head, p);
+}
+
 // Closed forms of the bounds (attngen/masks.py; tests hold them to the scan of masks.scan_bounds).
 template <class P>
 __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P&) {

@@ -212,6 +212,29 @@ __device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch,
     return true;
 }
 
+// LISTED: the kernel walks each tile's list of non-empty key blocks (key_blocks) instead of the
+// contiguous span of its bounds.
+constexpr bool LISTED = false;
+
+template <class P>
+__device__ __forceinline__ const int* key_blocks(int, int, int, int, int, const P&) { return nullptr; }
+
+// shown(): the element predicate a kernel applies to a block it masks. Under LISTED a block the
+// table classified full is masked only for its keys past Sk (a ragged last block), and any other
+// applies plan.partial_visible: the mask itself, or what it reduces to on every block the table can
+// call partial (a BlockMask's element mask where tiles lie inside its blocks: attngen/block_sparse.py).
+template <class P>
+__device__ __forceinline__ bool shown(int q, int k, int Sq, int Sk, int batch, int head, bool full_block, const P& p) {
+    if constexpr (LISTED) {
+        if (full_block) return true;
+        const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
+        (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p;
+        return true;
+    }
+    (void)full_block;
+    return visible(q, k, Sq, Sk, batch, head, p);
+}
+
 // Closed forms of the bounds (attngen/masks.py; tests hold them to the scan of masks.scan_bounds).
 template <class P>
 __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P&) {
@@ -387,7 +410,10 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
     // Block classification from the mask: [n_begin, n_end) may hold visible keys; a block
     // inside [full_lo, full_hi) is visible to every row here and skips per-element masking.
+    // Under mask::LISTED a tile whose span has holes walks the table's list of its non-empty key
+    // blocks instead: (n_block << 1) | full, last first (listed; nullptr: the span).
     const mask::Bounds bounds = mask::bounds(m0, m1, Sq, Sk, batch, head, p);
+    const int* listed = mask::LISTED && bounds.kv_begin < 0 ? mask::key_blocks(m0, Sq, Sk, batch, head, p) : nullptr;
     const int kv_lo = bounds.kv_begin, kv_hi = bounds.kv_end, full_lo = bounds.full_begin, full_hi = bounds.full_end;
     const int n_begin = kv_lo / BLOCK_N;
 #ifdef ATTNGEN_FAULT_DROP_LAST_PARTIAL_KV_TILE
@@ -395,7 +421,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 #else
     const int n_end = kv_hi > kv_lo ? (kv_hi + BLOCK_N - 1) / BLOCK_N : n_begin;
 #endif
-    const int n_blocks = n_end - n_begin;
+    const int n_blocks = listed != nullptr ? bounds.kv_end : n_end - n_begin;  // {-1, count, 0, 0}: the list's count
     // Output pointers are formed where they are used, to keep them out of the main loop's registers.
     auto o_rows = [&]() { return p.o + batch * p.o_sb + head * p.o_sh; };
     auto lse_row = [&]() { return p.lse + ((i64)batch * p.Hq + head) * Sq; };
@@ -404,7 +430,12 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
         return;
     }
     // Key blocks are visited from the last to the first, so masked blocks come first.
-    auto block_of = [&](int it) { return n_end - 1 - it; };
+    auto block_of = [&](int it) { return listed != nullptr ? listed[it] >> 1 : n_end - 1 - it; };
+    // Whether keys [n0, n0 + SUB_N) of block `it` are visible to every row here.
+    auto all_visible = [&](int it, int n0) {
+        if (listed != nullptr) return (listed[it] & 1) && n0 + SUB_N <= Sk;  // a ragged last block is masked
+        return n0 >= full_lo && n0 + SUB_N <= full_hi;
+    };
     auto load_kv = [&](int it) {
         const int stage = it % NUM_STAGES, n0 = block_of(it) * BLOCK_N;
         load_tile<BLOCK_N>(sKV + (2 * stage) * KV_TILE_BYTES, k_base, p.k_ss, n0, Sk);
@@ -532,7 +563,9 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                         }
             }
             // Per-element mask only on blocks the classification could not prove fully visible.
-            if (!(n0 >= full_lo && n0 + SUB_N <= full_hi)) {
+            if (!all_visible(it, n0)) {
+                // Whether the table classified the block full (masked then only for keys past Sk).
+                const bool full_block = listed != nullptr ? (listed[it] & 1) != 0 : n0 >= full_lo && n0 < full_hi;
                 const int q0 = m0 + warp * WARP_ROWS + g, k0 = n0 + 2 * t;  // this lane's first element
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
@@ -542,7 +575,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                         for (int i = 0; i < 4; ++i) {
                             const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
                             // Rows past Sq are never stored; skipping them keeps input reads in bounds.
-                            if (!(k < Sk && q < Sq && mask::visible(q, k, Sq, Sk, batch, head, p)))
+                            if (!(k < Sk && q < Sq && mask::shown(q, k, Sq, Sk, batch, head, full_block, p)))
                                 s_acc[mt][nt][i] = NEG_INF;
                         }
             }

@@ -286,6 +286,29 @@ __device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch,
     return (kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len))))));
 }
 
+// LISTED: the kernel walks each tile's list of non-empty key blocks (key_blocks) instead of the
+// contiguous span of its bounds.
+constexpr bool LISTED = false;
+
+template <class P>
+__device__ __forceinline__ const int* key_blocks(int, int, int, int, int, const P&) { return nullptr; }
+
+// shown(): the element predicate a kernel applies to a block it masks. Under LISTED a block the
+// table classified full is masked only for its keys past Sk (a ragged last block), and any other
+// applies plan.partial_visible: the mask itself, or what it reduces to on every block the table can
+// call partial (a BlockMask's element mask where tiles lie inside its blocks: attngen/block_sparse.py).
+template <class P>
+__device__ __forceinline__ bool shown(int q, int k, int Sq, int Sk, int batch, int head, bool full_block, const P& p) {
+    if constexpr (LISTED) {
+        if (full_block) return true;
+        const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
+        (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p;
+        return (kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len))))));
+    }
+    (void)full_block;
+    return visible(q, k, Sq, Sk, batch, head, p);
+}
+
 // Closed forms of the bounds (attngen/masks.py; tests hold them to the scan of masks.scan_bounds).
 template <class P>
 __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P&) {
@@ -524,21 +547,35 @@ __device__ __forceinline__ int tile_index(int j, int tiles) {
 }
 
 // The key blocks one CTA visits, from the last to the first so partially masked blocks come
-// first; [full_lo, full_hi) is visible to every row of the CTA.
+// first; [full_lo, full_hi) is visible to every row of the CTA. Under mask::LISTED a tile whose span
+// has holes walks its list from the block table instead (list set), each entry flagged full or not.
 struct Blocks {
     int n_begin, n_end, full_lo, full_hi;
+    const int* list;  // the listed walk: (n_block << 1) | full, last first; nullptr: the span
+    __device__ __forceinline__ bool listed() const { return mask::LISTED && list != nullptr; }
     __device__ __forceinline__ int count() const { return n_end - n_begin; }
-    __device__ __forceinline__ int key0(int it) const { return (n_end - 1 - it) * BLOCK_N; }
+    __device__ __forceinline__ int key0(int it) const {
+        return (listed() ? list[it] >> 1 : n_end - 1 - it) * BLOCK_N;
+    }
+    // Whether the table classified the block full (masked then only for keys past Sk).
+    __device__ __forceinline__ bool full_block(int it) const {
+        if (listed()) return list[it] & 1;
+        const int n0 = key0(it);
+        return n0 >= full_lo && n0 < full_hi;
+    }
     __device__ __forceinline__ bool needs_mask(int it) const {
         const int n0 = key0(it);
+        if (listed()) return !((list[it] & 1) && n0 + BLOCK_N <= full_hi);  // a ragged last block is masked
         return !(n0 >= full_lo && n0 + BLOCK_N <= full_hi);
     }
 };
 
 __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
     const int m0 = tile.m_block * BLOCK_M, m1 = min(m0 + BLOCK_M, p.Sq);
-    if (m0 >= p.Sq) return {0, 0, 0, 0};  // a phantom block past the last row
+    if (m0 >= p.Sq) return {0, 0, 0, 0, nullptr};  // a phantom block past the last row
     const mask::Bounds mb = mask::bounds(m0, m1, p.Sq, p.Sk, tile.batch, tile.head, p);
+    if (mask::LISTED && mb.kv_begin < 0)  // {-1, count, 0, 0}: holes in the span, walk the list
+        return {0, mb.kv_end, 0, p.Sk, mask::key_blocks(m0, p.Sq, p.Sk, tile.batch, tile.head, p)};
     Blocks b;
     b.n_begin = mb.kv_begin / BLOCK_N;
 #ifdef ATTNGEN_FAULT_DROP_LAST_PARTIAL_KV_TILE
@@ -639,14 +676,15 @@ __device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&pf)[PK]
 }
 
 // Accumulator element i of this thread: row +8 when bit 1 of i is set, column 8 (i / 4) + 2 (lane % 4) + (i % 2).
-__device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0, const Params& p, const Tile& tile,
-                                           int lane) {
+__device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0, bool full_block, const Params& p,
+                                           const Tile& tile, int lane) {
     const int k0 = n0 + 2 * (lane % 4);
 #pragma unroll
     for (int i = 0; i < S_REGS; ++i) {
         const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
         // Rows past Sq are never stored; skipping them keeps input reads in bounds.
-        if (!(k < p.Sk && q < p.Sq && mask::visible(q, k, p.Sq, p.Sk, tile.batch, tile.head, p))) s[i] = NEG_INF;
+        if (!(k < p.Sk && q < p.Sq && mask::shown(q, k, p.Sq, p.Sk, tile.batch, tile.head, full_block, p)))
+            s[i] = NEG_INF;
     }
 }
 
@@ -663,7 +701,7 @@ __device__ __forceinline__ void prepare_scores(float (&s)[S_REGS], int row0, con
                 s[i] = score::modify(s[i] * p.scale, q, k, p.Sq, p.Sk, tile.batch, tile.head, p);
         }
     }
-    if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), p, tile, lane);
+    if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), b.full_block(it), p, tile, lane);
 }
 
 // What takes a score to the log2 domain: softmax_scale * log2(e), or log2(e) once modified.

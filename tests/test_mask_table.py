@@ -51,14 +51,18 @@ def _no_tensor_maps(monkeypatch):
 
 @pytest.mark.parametrize("family, arch", [("fwd_sm80", "sm_80"), ("fwd_sm90", "sm_90a")])
 def test_the_table_kernels_run_first_in_one_workspace(family, arch):
-    spec = AttentionSpec(head_dim=128, mask=DOCS, score_mod="alibi", gqa_ratio=2, family=family)
+    # A BlockMask's state conjoined: the forward families then also keep key-block lists.
+    spec = AttentionSpec(head_dim=128, mask=f"{DOCS} and block_mask_state[b, 0, q_idx // 128, kv_idx // 128] != 0",
+                         score_mod="alibi", gqa_ratio=2, family=family)
     plan = families.plan_spec(spec, targets.target(arch))
     fam = families.get_family(family)
-    call = _call(2, 1000, 8, 128, {"doc": (2, 1000), "slope": (8,)})
+    call = _call(2, 1000, 8, 128, {"block_mask_state": (2, 1, 8, 8), "doc": (2, 1000), "slope": (8,)})
     offsets, table_at, total = mask_table.layout(plan.mask_table, call, plan.block_m)
     m_blocks = math.ceil(1000 / plan.block_m)
-    assert offsets == {"doc": 0} and table_at == 2 * math.ceil(1000 / 16) * 8 // 256 * 256 + 256
-    assert total == table_at + -(-(2 * m_blocks * 16) // 256) * 256  # a table per batch entry, not per head
+    assert offsets == {"block_mask_state": 0, "doc": 256} and table_at == 256 + 2 * math.ceil(1000 / 16) * 8 // 256 * 256 + 256
+    lists_at = table_at + -(-(2 * m_blocks * 16) // 256) * 256  # a table per batch entry, not per head
+    list_ints = math.ceil(1000 / plan.block_n)  # forward families: each entry's key-block list
+    assert total == lists_at + -(-(2 * m_blocks * list_ints * 4) // 256) * 256
     dynamic = getattr(plan, "schedule", None) == "dynamic"  # fwd_sm90's tile counter follows the table
     assert fam.workspace_bytes(plan, call) == total + (mask_table.ALIGN if dynamic else 0)
     launches = fam.launches(plan, call)
@@ -69,8 +73,33 @@ def test_the_table_kernels_run_first_in_one_workspace(family, arch):
     params = launches[-1].params
     assert all(launch.params == params for launch in launches)  # one argument struct for the three
     read = {name: int.from_bytes(params[abi.offsets[name]:abi.offsets[name] + 8], "little")
-            for name in ("sum_doc", "mask_table")}
-    assert read == {"sum_doc": (1 << 20) + offsets["doc"], "mask_table": (1 << 20) + table_at}
+            for name in ("sum_doc", "mask_table", "mask_list")}
+    assert read == {"sum_doc": (1 << 20) + offsets["doc"], "mask_table": (1 << 20) + table_at,
+                    "mask_list": (1 << 20) + lists_at}
+
+
+@pytest.mark.parametrize("family, arch", [("fwd_sm80", "sm_80"), ("fwd_sm90", "sm_90a")])
+def test_only_blockmask_and_periodic_tables_keep_key_block_lists(family, arch):
+    plan = families.plan_spec(AttentionSpec(head_dim=128, mask=DOCS, family=family), targets.target(arch))
+    assert plan.mask_table.list_block_n is None and "mask_list" not in plan.kernels[0].abi.offsets
+    for holey in ("block_mask_state[0, h, q_idx // 128, kv_idx // 128] != 0", "causal and (kv_idx // 64) % 4 == 0",
+                  "kv_idx % 3 != 1"):  # a BlockMask, and masks dividing kv_idx: periodic holes
+        plan = families.plan_spec(AttentionSpec(head_dim=128, mask=holey, family=family), targets.target(arch))
+        assert plan.mask_table.list_block_n == plan.block_n, holey
+    plan = families.plan_spec(AttentionSpec(head_dim=128, mask="q_idx // 64 >= kv_idx // 64", family=family),
+                              targets.target(arch))
+    assert plan.mask_table.list_block_n is not None  # kv_idx // 64 divides kv_idx
+
+
+@pytest.mark.parametrize("family", ["bwd_sm80", "bwd_sm90"])
+def test_backward_tables_hold_bounds_only(family):
+    spec = AttentionSpec(head_dim=128, mask="block_mask_state[0, h, q_idx // 128, kv_idx // 128] != 0 and causal",
+                         family=family)
+    plan = families.plan_spec(spec, targets.target("sm_90a"))
+    call = _call(2, 1000, 8, 128, {"block_mask_state": (1, 8, 8, 8)})
+    assert plan.mask_table.list_block_n is None and "mask_list" not in plan.kernels[0].abi.offsets
+    _, table_at, total = mask_table.layout(plan.mask_table, call, plan.block_m)
+    assert total == table_at + -(-(8 * math.ceil(1000 / plan.block_m) * 16) // 256) * 256  # per head: h is read
 
 
 def test_a_mask_without_inputs_builds_its_table_alone():
@@ -104,3 +133,16 @@ def test_the_bounds_skip_other_documents():
     assert (kv_begin, kv_end) == (256, 512) and (full_begin, full_end) == (320, 384)
     assert lowering.bounds(640, 768, S, S, 64, inputs=inputs, granule=g)[0] == 512  # the fourth starts at 557
     assert lowering.bounds(384, 512, S, S, 64, inputs=inputs) == (0, 512, 0, 0)  # exact reads only: no skipping
+
+
+def test_the_key_block_lists_skip_holes_inside_the_span():
+    """A mask visible on every third key block: the bounds span them all (holes loaded and masked),
+    the list holds only the visible blocks, last first, flagged full."""
+    lowering = get_mask("(kv_idx // 64) % 3 == 0")
+    assert lowering.bounds(0, 128, 128, 640, 64) == (0, 640, 0, 64)
+    assert lowering.key_blocks(0, 128, 128, 640, 64) == [(9, True), (6, True), (3, True), (0, True)]
+    lengths = [256, 1, 300, 211]
+    doc = torch.tensor([sum(([i] * n for i, n in enumerate(lengths)), [])])
+    S = doc.shape[1]
+    listed = get_mask(DOCS).key_blocks(384, 512, S, S, 64, inputs={"doc": doc}, granule=mask_table.GRANULE)
+    assert listed == [(7, False), (6, False), (5, True), (4, False)]  # the third document's blocks only

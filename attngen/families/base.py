@@ -91,6 +91,9 @@ class ForwardPlan(Plan):
     """A plan of a forward family: what its templates read about the problem, the mask and the fault."""
 
     mask: "MaskLowering"
+    # Whether the kernels walk each tile's list of non-empty key blocks (attngen/mask_table.py) where
+    # the mask has a table; families that read only the bounds leave it False.
+    LISTS_KEY_BLOCKS = False
 
     @property
     def inputs(self) -> tuple:
@@ -102,7 +105,20 @@ class ForwardPlan(Plan):
         """The block table built per call for a mask that reads int inputs (attngen/mask_table.py)."""
         from attngen.mask_table import for_problem
 
-        return for_problem(self.problem)
+        return for_problem(self.problem, self.block_n if self.LISTS_KEY_BLOCKS else None)
+
+    @property
+    def partial_visible(self) -> str:
+        """The C++ element predicate for blocks the key-block lists flag partial (mask.cuh.j2 shown):
+        the mask's own, or for a BlockMask whose blocks this plan's tiles lie inside, its element mask
+        alone (a partial tile then has state 1: attngen/block_sparse.py partial_element)."""
+        from attngen.block_sparse import partial_element
+        from attngen.masks import get_mask
+
+        table = self.mask_table
+        element = None if table is None or table.list_block_n is None else \
+            partial_element(self.mask.text, self.block_m, self.block_n)
+        return self.mask.visible if element is None else get_mask(element).visible
 
     @property
     def score_mod(self) -> "ScoreModLowering | None":

@@ -76,6 +76,7 @@ class Sm80Config(Config):
 
 @dataclass(frozen=True, kw_only=True)
 class Sm80Plan(ForwardPlan):
+    LISTS_KEY_BLOCKS = True
     num_warps: int
     num_stages: int
     q_in_regs: bool  # Q fragments stay in registers (else re-read from shared memory per k16 step)
@@ -219,7 +220,7 @@ class Sm80Forward(KernelFamily):
                 field="config")
         name = self.plan_name(problem, target, config, fault)
         threads = config.num_warps * 32
-        table = mask_table.for_problem(problem)
+        table = mask_table.for_problem(problem, config.block_n)  # with key-block lists
         abi = mask_table.with_table(with_inputs(ARGUMENTS, problem_inputs(problem), _the_call), table, _the_call,
                                     config.block_m)
         if problem.dropout_p:

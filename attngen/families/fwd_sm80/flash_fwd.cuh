@@ -110,7 +110,10 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
     // Block classification from the mask: [n_begin, n_end) may hold visible keys; a block
     // inside [full_lo, full_hi) is visible to every row here and skips per-element masking.
+    // Under mask::LISTED a tile whose span has holes walks the table's list of its non-empty key
+    // blocks instead: (n_block << 1) | full, last first (listed; nullptr: the span).
     const mask::Bounds bounds = mask::bounds(m0, m1, Sq, Sk, batch, head, p);
+    const int* listed = mask::LISTED && bounds.kv_begin < 0 ? mask::key_blocks(m0, Sq, Sk, batch, head, p) : nullptr;
     const int kv_lo = bounds.kv_begin, kv_hi = bounds.kv_end, full_lo = bounds.full_begin, full_hi = bounds.full_end;
     const int n_begin = kv_lo / BLOCK_N;
 #ifdef ATTNGEN_FAULT_DROP_LAST_PARTIAL_KV_TILE
@@ -118,7 +121,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 #else
     const int n_end = kv_hi > kv_lo ? (kv_hi + BLOCK_N - 1) / BLOCK_N : n_begin;
 #endif
-    const int n_blocks = n_end - n_begin;
+    const int n_blocks = listed != nullptr ? bounds.kv_end : n_end - n_begin;  // {-1, count, 0, 0}: the list's count
     // Output pointers are formed where they are used, to keep them out of the main loop's registers.
     auto o_rows = [&]() { return p.o + batch * p.o_sb + head * p.o_sh; };
     auto lse_row = [&]() { return p.lse + ((i64)batch * p.Hq + head) * Sq; };
@@ -127,7 +130,12 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
         return;
     }
     // Key blocks are visited from the last to the first, so masked blocks come first.
-    auto block_of = [&](int it) { return n_end - 1 - it; };
+    auto block_of = [&](int it) { return listed != nullptr ? listed[it] >> 1 : n_end - 1 - it; };
+    // Whether keys [n0, n0 + SUB_N) of block `it` are visible to every row here.
+    auto all_visible = [&](int it, int n0) {
+        if (listed != nullptr) return (listed[it] & 1) && n0 + SUB_N <= Sk;  // a ragged last block is masked
+        return n0 >= full_lo && n0 + SUB_N <= full_hi;
+    };
     auto load_kv = [&](int it) {
         const int stage = it % NUM_STAGES, n0 = block_of(it) * BLOCK_N;
         load_tile<BLOCK_N>(sKV + (2 * stage) * KV_TILE_BYTES, k_base, p.k_ss, n0, Sk);
@@ -255,7 +263,9 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                         }
             }
             // Per-element mask only on blocks the classification could not prove fully visible.
-            if (!(n0 >= full_lo && n0 + SUB_N <= full_hi)) {
+            if (!all_visible(it, n0)) {
+                // Whether the table classified the block full (masked then only for keys past Sk).
+                const bool full_block = listed != nullptr ? (listed[it] & 1) != 0 : n0 >= full_lo && n0 < full_hi;
                 const int q0 = m0 + warp * WARP_ROWS + g, k0 = n0 + 2 * t;  // this lane's first element
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
@@ -265,7 +275,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                         for (int i = 0; i < 4; ++i) {
                             const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
                             // Rows past Sq are never stored; skipping them keeps input reads in bounds.
-                            if (!(k < Sk && q < Sq && mask::visible(q, k, Sq, Sk, batch, head, p)))
+                            if (!(k < Sk && q < Sq && mask::shown(q, k, Sq, Sk, batch, head, full_block, p)))
                                 s_acc[mt][nt][i] = NEG_INF;
                         }
             }

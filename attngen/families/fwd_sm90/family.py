@@ -95,6 +95,7 @@ class Sm90Config(Config):
 
 @dataclass(frozen=True, kw_only=True)
 class Sm90Plan(ForwardPlan):
+    LISTS_KEY_BLOCKS = True
     consumers: int
     num_stages: int
     q_buffers: int  # 2 when shared memory holds a second Q tile: the next tile's Q loads early
@@ -248,7 +249,7 @@ class Sm90Forward(KernelFamily):
         name = self.plan_name(problem, target, config, fault)
         threads = 128 * (config.consumers + 1)
         producer_regs, consumer_regs = REGISTERS[config.consumers]
-        table = mask_table.for_problem(problem)
+        table = mask_table.for_problem(problem, config.block_n)  # with key-block lists
         abi = mask_table.with_table(with_inputs(ARGUMENTS, problem_inputs(problem), _the_call), table, _the_call,
                                     config.block_m)
         if problem.dropout_p:
