@@ -123,6 +123,7 @@ def run_mask_bench(out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     slug = "".join(c if c.isalnum() else "-" for c in props.name.lower()).strip("-")
     (out_dir / f"masks-{slug}-{meta['date']}.json").write_text(json.dumps({"meta": meta, **results}, indent=1))
+    plot(out_dir / f"masks-{slug}-{meta['date']}.json")
     for name, row in results.items():
         print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "lengths"})
     return results
@@ -156,3 +157,35 @@ def _block_sparse(torch, attngen, create_block_mask, flex, q, k, v, qt, kt, vt, 
             **{f"{name}_tflops": value for name, value in tflops.items()},
             "block_mask_vs_flex": flex_ms / block_mask_ms, "expression_vs_flex": flex_ms / expression_ms,
             "block_mask_vs_dense_causal_tflops": tflops["block_mask"] / causal_tflops}
+
+
+def plot(json_path: Path) -> Path | None:
+    """A PNG beside a mask benchmark's JSON: each case's time, attngen against FlexAttention (None
+    without matplotlib, the `bench` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib missing; no plot written")
+        return None
+
+    data = json.loads(Path(json_path).read_text())
+    rows = [("window 4096", data["window_4096"]["ms"], data["window_4096"]["flex_ms"]),
+            ("documents", data["documents"]["ms"], data["documents"]["flex_ms"])]
+    if "block_sparse" in data:
+        rows.append(("BlockMask", data["block_sparse"]["block_mask_ms"], data["block_sparse"]["flex_ms"]))
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r[1] for r in rows], 0.4, label="attngen")
+    ax.bar([i + 0.2 for i in x], [r[2] for r in rows], 0.4, label="FlexAttention")
+    ax.set_xticks(list(x), [r[0] for r in rows])
+    ax.set_ylabel("ms (lower is better)")
+    ax.set_title(f"{data['meta']['gpu']}, {data['meta']['date']}: {data['meta']['setup']}", fontsize=7)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(json_path).with_suffix(".png")
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
