@@ -85,7 +85,7 @@ def _is_noop(mask_mod) -> bool:
 
 def _block_sizes(block_mask) -> tuple[int, int]:
     sizes = block_mask.BLOCK_SIZE
-    sizes = (sizes, sizes) if isinstance(sizes, int) else tuple(sizes)
+    sizes = (sizes, sizes) if isinstance(sizes, int) else tuple(sizes) if isinstance(sizes, (tuple, list)) else ()
     if len(sizes) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
         raise ValueError(f"block_mask.BLOCK_SIZE={block_mask.BLOCK_SIZE!r} is invalid; allowed: an int >= 1 or a "
                          "pair (Q_BLOCK, KV_BLOCK) of them")
@@ -123,8 +123,12 @@ def check(block_mask, mask: str | None, q, k) -> tuple[int, int, bool, bool]:
         raise ValueError(f"block_mask is a {type(block_mask).__name__} without {', '.join(missing)}; allowed: a "
                          "FlexAttention BlockMask (torch.nn.attention.flex_attention) or an object with its "
                          f"attributes {', '.join(ATTRIBUTES)}")
-    if not isinstance(q, torch.Tensor):
-        raise ValueError(f"block_mask needs torch tensors; q is a {type(q).__name__}")
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"block_mask needs torch tensors; {name} is a {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; allowed with block_mask: 4 dims (batch, seq, heads, "
+                             "head_dim)")
     if mask is None and not _is_noop(getattr(block_mask, "mask_mod", None)):
         name = getattr(block_mask.mask_mod, "__name__", repr(block_mask.mask_mod))
         raise ValueError(f"block_mask carries mask_mod {name!r}, a Python callable attngen cannot compile; allowed: "

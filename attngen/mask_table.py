@@ -16,11 +16,11 @@ stream (attngen/cuda/mask.cuh.j2):
              model is MaskProgram.classify with granule=GRANULE).
 
 The attention kernel then reads 4 ints per tile. For a FlexAttention BlockMask (attngen/block_sparse.py)
-a forward family also gets each tile's list of non-empty key blocks (last first, each flagged full
-or not), and a tile whose span has holes gets the entry {-1, count, 0, 0}: its kernel walks the list,
-so only the blocks the BlockMask shows are loaded; a tile without holes keeps its bounds. Both live in the call's workspace
-(workspace_bytes); nothing is built or copied on the host: the same inputs under CUDA graphs,
-any lengths, no recompilation.
+and for masks that divide kv_idx (_lists_pay), a forward family also gets each tile's list of
+non-empty key blocks (last first, each flagged full or not), and a tile whose span has holes gets
+the entry {-1, count, 0, 0}: its kernel walks the list, so hidden blocks are never loaded; a tile
+without holes keeps its bounds. All of it lives in the call's workspace (workspace_bytes); nothing
+is built or copied on the host: the same inputs under CUDA graphs, any lengths, no recompilation.
 """
 
 from __future__ import annotations
@@ -77,27 +77,27 @@ def for_problem(problem, list_block_n: int | None = None) -> MaskTable | None:
     lowering = get_mask(problem.mask)
     if lowering.closed is not None:
         return None
-    summarized = tuple(d for d in problem_inputs(problem) if d.kind == "mask" and d.arity >= 1)
+    declared = problem_inputs(problem)
+    summarized = tuple(d for d in declared if d.kind == "mask" and d.arity >= 1)
     read = {node.name for node in walk(lowering.program.ir) if isinstance(node, Var)}
-    return MaskTable(summarized, "b" in read, "h" in read, list_block_n if _lists_pay(problem) else None)
+    lists = list_block_n if _lists_pay(lowering.program.ir, declared) else None
+    return MaskTable(summarized, "b" in read, "h" in read, lists)
 
 
-def _lists_pay(problem) -> bool:
+def _lists_pay(mask_ir, declared) -> bool:
     """Whether a forward kernel walks key-block lists for this mask: for a BlockMask's (holes are what
     it is for) and for masks that divide kv_idx (// or %: strided, dilated and other periodic
     patterns, whose spans have holes). Other masks keep the bounds alone: with lists built for the
     packed-documents mask, whose tiles all walk their span anyway, its kernel ran 12% slower in a
     same-run A/B (docs/perf-notes.md, "Key-block lists"); holes in their spans are loaded and masked."""
     from attngen.block_sparse import STATE
-    from attngen.families.base import problem_inputs
     from attngen.maskc.ir import INT_DIVISION, Op, Var, walk
-    from attngen.masks import get_mask
 
-    if any(d.name == STATE for d in problem_inputs(problem)):
+    if any(d.name == STATE for d in declared):
         return True
     return any(isinstance(node, Op) and node.op in INT_DIVISION
                and any(isinstance(v, Var) and v.name == "kv_idx" for v in walk(node))
-               for node in walk(get_mask(problem.mask).program.ir))
+               for node in walk(mask_ir))
 
 
 def span_ref(name: str, leading: list, lo: str, hi: str) -> str:
@@ -131,14 +131,20 @@ def layout(table: MaskTable, call: ForwardCall, block_m: int) -> tuple[dict[str,
         shape = call.input(d.name).shape
         offsets[d.name] = offset
         offset += _aligned(math.prod(shape[:-1]) * _granules(shape[-1]) * 8)
-    entries = table_rows(table, call) * math.ceil(call.seq_q / block_m)
-    lists = 0 if table.list_block_n is None else _aligned(entries * list_ints(table, call) * 4)
-    return offsets, offset, offset + _aligned(entries * 16) + lists
+    lists = 0 if table.list_block_n is None else _aligned(_entries(table, call, block_m) * list_ints(table, call) * 4)
+    return offsets, offset, list_offset(table, call, block_m, offset) + lists
 
 
-def list_offset(table: MaskTable, call: ForwardCall, block_m: int) -> int:
-    _, table_offset, _ = layout(table, call, block_m)
-    return table_offset + _aligned(table_rows(table, call) * math.ceil(call.seq_q / block_m) * 16)
+def _entries(table: MaskTable, call: ForwardCall, block_m: int) -> int:
+    """Table entries: one per query block of every row (batch x heads) the table is kept for."""
+    return table_rows(table, call) * math.ceil(call.seq_q / block_m)
+
+
+def list_offset(table: MaskTable, call: ForwardCall, block_m: int, table_offset: int | None = None) -> int:
+    """Where the key-block lists start: after the table (at table_offset, layout's second value)."""
+    if table_offset is None:
+        table_offset = layout(table, call, block_m)[1]
+    return table_offset + _aligned(_entries(table, call, block_m) * 16)
 
 
 def workspace_bytes(table: MaskTable | None, call: ForwardCall, block_m: int) -> int:

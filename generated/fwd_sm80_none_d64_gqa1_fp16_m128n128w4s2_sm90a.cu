@@ -212,8 +212,8 @@ __device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch,
     return true;
 }
 
-// LISTED: the kernel walks each tile's list of non-empty key blocks (key_blocks) instead of the
-// contiguous span of its bounds.
+// LISTED: the table also lists each tile's non-empty key blocks (key_blocks), and a tile whose span
+// has holes walks its list instead of the span (its bounds() entry is {-1, count, 0, 0}).
 constexpr bool LISTED = false;
 
 template <class P>

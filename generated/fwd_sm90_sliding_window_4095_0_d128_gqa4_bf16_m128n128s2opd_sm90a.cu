@@ -286,8 +286,8 @@ __device__ __forceinline__ bool visible(int q, int k, int Sq, int Sk, int batch,
     return ((((q_idx + ((long long)((((int)kv_len) - ((int)q_len))))) - 4095LL) <= kv_idx) && (kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len)))))));
 }
 
-// LISTED: the kernel walks each tile's list of non-empty key blocks (key_blocks) instead of the
-// contiguous span of its bounds.
+// LISTED: the table also lists each tile's non-empty key blocks (key_blocks), and a tile whose span
+// has holes walks its list instead of the span (its bounds() entry is {-1, count, 0, 0}).
 constexpr bool LISTED = false;
 
 template <class P>

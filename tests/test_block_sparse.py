@@ -201,6 +201,7 @@ def _bm(**overrides):
          kv_indices=torch.zeros(1, 1, 1, 2, dtype=torch.int32)), "none", "at least ceil(seq_q / 128) = 2"),
     (_bm(seq_lengths=(128, 256)), "none", "seq_lengths=(128, 256) is shorter"),
     (_bm(BLOCK_SIZE=(0, 128)), "none", "BLOCK_SIZE=(0, 128) is invalid"),
+    (_bm(BLOCK_SIZE=1.5), "none", "BLOCK_SIZE=1.5 is invalid"),
     (_bm(full_kv_num_blocks=torch.ones(1, 1, 2, dtype=torch.int32)), "none", "one of full_kv_num_blocks"),
     (_bm(full_kv_num_blocks=torch.ones(1, 1, 3, dtype=torch.int32),
          full_kv_indices=torch.zeros(1, 1, 3, 1, dtype=torch.int32)), "none", "the shape of kv_num_blocks"),
@@ -213,6 +214,20 @@ def test_bad_blockmasks_are_named(bm, mask, needle):
     with pytest.raises(ValueError) as info:
         attngen.attention(q, k, k, block_mask=bm, mask=mask)
     assert needle in str(info.value)
+
+
+def test_tensors_of_another_rank_are_named():
+    with pytest.raises(ValueError, match=r"q has shape \(256, 4, 64\); allowed with block_mask: 4 dims"):
+        block_sparse.lowered_call(_bm(), "none", None, torch.zeros(256, 4, 64), torch.zeros(1, 256, 2, 64))
+    with pytest.raises(ValueError, match="block_mask needs torch tensors; k is a NoneType"):
+        block_sparse.lowered_call(_bm(), "none", None, torch.zeros(1, 256, 4, 64), None)
+
+
+def test_empty_sequences_give_empty_grids():
+    for seq_q, seq_k, shape in ((0, 256, (1, 1, 0, 2)), (256, 0, (1, 1, 2, 0))):
+        _, inputs = block_sparse.lowered_call(_bm(), "none", None, torch.zeros(1, seq_q, 1, 64),
+                                              torch.zeros(1, seq_k, 1, 64))
+        assert tuple(inputs[block_sparse.STATE].shape) == shape
 
 
 def test_the_state_input_name_is_reserved_in_inputs():
