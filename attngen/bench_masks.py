@@ -8,8 +8,10 @@ same process: d128, 16 heads, bf16, one 16384-token sequence.
   documents     16 random-length documents, causal within each, as a runtime input of ids:
                 useful TFLOP/s (visible pairs only) against the same family's dense causal and
                 FlexAttention with a document block mask
-  varlen_documents  the same documents through attention_varlen (cu_seqlens, the packed layout):
-                time against the document-ids mask (its arrays are built from cu_seqlens per call)
+  varlen_documents  the same documents through attention_varlen (cu_seqlens, the packed layout),
+                which tiles per sequence (Problem.varlen): useful TFLOP/s against the dense causal
+                and FlexAttention's document block mask; and through the document mask over batch 1
+                (its arrays built from cu_seqlens per call), the path it takes elsewhere
   mask_build    what a call costs beyond the kernel for a document mask: attngen copies the ids;
                 FlexAttention's create_block_mask builds its block mask
   block_sparse  a block-sparse causal pattern with holes (each 128-row block sees its 3 latest key
@@ -100,9 +102,17 @@ def run_mask_bench(out_dir: Path) -> dict:
 
         # The same documents as FlashAttention's varlen layout (attngen.attention_varlen, cu_seqlens).
         cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32).cuda()
-        varlen_ms = _time_ms(lambda: attngen.attention_varlen(q[0], k[0], v[0], cu, cu, mask="causal"))
-        results["varlen_documents"] = {"ms": varlen_ms, "tflops": doc_pairs * pair_flops / varlen_ms / 1e9,
-                                       "vs_document_ids": varlen_ms / doc_ms}
+        packed = [t[0] for t in (q, k, v)]
+        varlen_ms = _time_ms(lambda: attngen.varlen.attention_varlen(*packed, cu, cu, mask="causal"))
+        attngen.varlen.PER_SEQUENCE_TILES = False
+        try:
+            varlen_mask_ms = _time_ms(lambda: attngen.varlen.attention_varlen(*packed, cu, cu, mask="causal"))
+        finally:
+            attngen.varlen.PER_SEQUENCE_TILES = True
+        varlen_tflops = doc_pairs * pair_flops / varlen_ms / 1e9
+        results["varlen_documents"] = {"ms": varlen_ms, "tflops": varlen_tflops, "flex_ms": flex_doc_ms,
+                                       "vs_dense_causal": varlen_tflops / causal_tflops, "vs_flex": flex_doc_ms / varlen_ms,
+                                       "document_mask_ms": varlen_mask_ms, "vs_document_ids": varlen_ms / doc_ms}
 
         start = time.perf_counter()
         for _ in range(10):
@@ -174,6 +184,8 @@ def plot(json_path: Path) -> Path | None:
     data = json.loads(Path(json_path).read_text())
     rows = [("window 4096", data["window_4096"]["ms"], data["window_4096"]["flex_ms"]),
             ("documents", data["documents"]["ms"], data["documents"]["flex_ms"])]
+    if "flex_ms" in data.get("varlen_documents", {}):
+        rows.append(("varlen documents", data["varlen_documents"]["ms"], data["varlen_documents"]["flex_ms"]))
     if "block_sparse" in data:
         rows.append(("BlockMask", data["block_sparse"]["block_mask_ms"], data["block_sparse"]["flex_ms"]))
     fig, ax = plt.subplots(figsize=(6, 3.2))

@@ -224,8 +224,17 @@ def _lower(text: str) -> MaskLowering:
                         program.cuda_classify(input_ref, span_ref), maskc.cuda_preamble(), closed, program)
 
 
-def mask_problem(problem) -> str | None:
-    """Why a problem's mask cannot be lowered (None when it can): for a family's supports()."""
+def mask_problem(problem, per_sequence_tiles: bool = False) -> str | None:
+    """Why a problem's mask cannot be lowered (None when it can): for a family's supports(). A varlen
+    problem (packed sequences) needs a family whose tiles follow the sequences (per_sequence_tiles)."""
+    if getattr(problem, "varlen", False):
+        from attngen.varlen import native_reason
+
+        if not per_sequence_tiles:
+            return "packed sequences (varlen) run on a family that tiles per sequence (fwd_sm90, on sm_90a)"
+        reason = native_reason(problem)
+        if reason is not None:
+            return reason
     try:
         get_mask(problem.mask)
     except ValueError as exc:

@@ -34,7 +34,7 @@ MAX_GQA_RATIO = 1024
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
 PROBLEM_FIELDS = ("head_dim", "dtype", "gqa_ratio", "mask", "softmax_scale", "score_mod", "sink", "dropout_p",
-                  "deterministic")
+                  "deterministic", "varlen")
 # Tile fields of attngen 0.1, now config fields of the fwd_sm80 family: named in a clear error.
 LEGACY_TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
@@ -62,7 +62,7 @@ def is_set(name: str, value) -> bool:
     dropout_p not 0 and for deterministic not False, so a problem without them keeps the identity it
     had before the fields existed."""
     return value is not None and not (name == "dropout_p" and value == 0) \
-        and not (name == "deterministic" and value is False)
+        and not (name in ("deterministic", "varlen") and value is False)
 
 
 def _type_hint(value, want: str) -> str:
@@ -85,6 +85,10 @@ class Problem:
     # Gradients bitwise repeatable: no order-dependent fp32 sums (docs/backward.md, "Deterministic").
     # Forward kernels are deterministic anyway; backward families order their dQ sums or refuse.
     deterministic: bool = False
+    # Sequences packed end to end (attngen/varlen.py): q (1, total_q, Hq, D), k and v (1, total_k, Hkv, D)
+    # and the int32 inputs cu_seqlens_q, cu_seqlens_k; the mask, score modifier and sink apply within each
+    # sequence, in its own positions. Only forward families that tile per sequence run it (fwd_sm90).
+    varlen: bool = False
 
     @property
     def scale(self) -> float:
@@ -113,6 +117,8 @@ class Problem:
             from attngen.dropout import slug
 
             parts.append(slug(self.dropout_p))
+        if self.varlen:
+            parts.append("varlen")
         return "_".join(parts)
 
     def key(self) -> str:
@@ -165,6 +171,7 @@ class AttentionSpec:
     sink: str | None = None  # an attention-sink logit expression, e.g. "sinks[h]"; None: no sink
     dropout_p: float = 0.0  # dropout of the attention probabilities, 0 <= p < 1 (attngen/dropout.py); 0: none
     deterministic: bool = False  # bitwise repeatable gradients (docs/backward.md, "Deterministic")
+    varlen: bool = False  # sequences packed end to end, described by cu_seqlens inputs (attngen/varlen.py)
     # Where the spec came from (a file path), used only to make errors name it.
     source: str | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -239,6 +246,9 @@ class AttentionSpec:
         if not isinstance(self.deterministic, bool):
             fail("deterministic", f"deterministic={show(self.deterministic)} is invalid"
                                   f"{_type_hint(self.deterministic, 'true or false')}; allowed: true, false")
+        if not isinstance(self.varlen, bool):
+            fail("varlen", f"varlen={show(self.varlen)} is invalid{_type_hint(self.varlen, 'true or false')}; "
+                           "allowed: true, false")
         target = None
         if self.arch is not None:
             from attngen import targets
@@ -284,7 +294,7 @@ class AttentionSpec:
     @property
     def problem(self) -> Problem:
         return Problem(self.head_dim, self.dtype, self.gqa_ratio, self.mask, self.softmax_scale, self.score_mod,
-                       self.sink, self.dropout_p, self.deterministic)
+                       self.sink, self.dropout_p, self.deterministic, self.varlen)
 
     @property
     def effective_scale(self) -> float:

@@ -7,21 +7,31 @@ query rows cu_seqlens_q[i] .. cu_seqlens_q[i + 1] - 1 and the keys cu_seqlens_k[
 cu_seqlens_k[i + 1] - 1 (int32 on q's device, nondecreasing from 0; empty sequences allowed).
 Sequences never see each other.
 
-It is one call of attention() over batch 1 of total_q x total_k, its mask the document mask
-conjoined with the caller's mask rewritten into each sequence's own coordinates: q_idx, kv_idx,
-q_len and kv_len of the mask (and of a score modifier or sink) become the row's and key's
-positions within their sequence and their sequence's lengths, read from per-token int32 (or
-float32, for modifiers) arrays that this module builds on the GPU from cu_seqlens (a few small
-kernels, no host synchronisation: CUDA-graph capturable). So "causal" is bottom-right aligned per
-sequence, as in FlashAttention's varlen kernels, and every mask, window and modifier the
-language has works per sequence. The mask table classifies each (query block, key block) from
-the arrays' per-call summaries (attngen/mask_table.py): blocks across two sequences' boundaries
-are masked per element, blocks of one sequence like the dense mask's, other sequences' blocks
-skipped. Runtime inputs the caller passes are indexed in packed positions (an index is never
-rewritten); `b` would be 0 throughout and is refused.
+It runs one of two ways (docs/masks.md, "Packed sequences"):
+- Per-sequence tiles (Problem.varlen, the fwd_sm90 family on sm_90a): one attention() call over
+  batch 1 with the spec's `varlen` set and cu_seqlens passed as the inputs `cu_seqlens_q`,
+  `cu_seqlens_k`; the kernel tiles each sequence on its own (its tile list is built on the GPU,
+  attngen/families/fwd_sm90/varlen_tiles.cuh) and evaluates the caller's mask, modifier and sink in
+  the sequence's positions. Taken for calls without gradients or dropout, eagerly, whose mask has
+  closed-form bounds and whose expressions read inputs indexed by h alone (native_reason).
+- The document mask, everywhere else: one call of attention() over batch 1, its mask the document
+  mask conjoined with the caller's mask rewritten into each sequence's own coordinates: q_idx,
+  kv_idx, q_len and kv_len of the mask (and of a score modifier or sink) become the row's and key's
+  positions within their sequence and their sequence's lengths, read from per-token int32 (or
+  float32, for modifiers) arrays that this module builds on the GPU from cu_seqlens (a few small
+  kernels, no host synchronisation: CUDA-graph capturable). The mask table classifies each (query
+  block, key block) from the arrays' per-call summaries (attngen/mask_table.py): blocks across two
+  sequences' boundaries are masked per element, blocks of one sequence like the dense mask's, other
+  sequences' blocks skipped. Runtime inputs the caller passes are indexed in packed positions (an
+  index is never rewritten).
+Either way "causal" is bottom-right aligned per sequence, as in FlashAttention's varlen kernels, and
+every mask, window and modifier the language has works per sequence; `b` would be 0 throughout and
+is refused.
 """
 
 from __future__ import annotations
+
+import functools
 
 from attngen.maskc.ir import Input, Op, Type, Var, make, to_text, walk
 
@@ -39,8 +49,51 @@ _POSITION_INPUTS = {
 }
 _STARTS = ("q_idx", "kv_idx")  # in a mask: the variable minus the start
 _DOCUMENTS = "varlen_qdoc[q_idx] == varlen_kdoc[kv_idx]"
-RESERVED = frozenset({"varlen_qdoc", "varlen_kdoc", *(n for names in _POSITION_INPUTS.values() for n in names[:2])})
+# A varlen problem's kernels (Problem.varlen) read the sequences' boundaries as these int32 inputs.
+CU_SEQLENS = ("cu_seqlens_k", "cu_seqlens_q")
+RESERVED = frozenset({"varlen_qdoc", "varlen_kdoc", *CU_SEQLENS,
+                      *(n for names in _POSITION_INPUTS.values() for n in names[:2])})
 FLOAT_EXACT = 2**24  # positions a float32 holds exactly: modifiers read positions as floats
+# Whether attention_varlen runs kernels that tile per sequence where they can (False: always the
+# document mask over batch 1; tests and benchmarks compare the two).
+PER_SEQUENCE_TILES = True
+
+
+def declared_cu_seqlens() -> tuple:
+    """The runtime inputs a varlen problem adds to its expressions' (attngen/runtime_inputs.py)."""
+    from attngen.runtime_inputs import Declared
+
+    return tuple(Declared(name, 1, "mask") for name in CU_SEQLENS)
+
+
+def native_reason(problem) -> str | None:
+    """Why kernels tiling per sequence cannot run a varlen problem (None when they can). Positions
+    there are the sequence's own, so the mask needs a closed form of its bounds (the block table
+    summarizes inputs over packed positions), and expressions may not read b (every sequence is one
+    batch row) nor index a runtime input by a position (attention_varlen indexes them in packed
+    positions: such calls run the document mask instead)."""
+    from attngen.families.base import problem_programs
+    from attngen.maskc.ir import Input, Var, walk
+    from attngen.masks import get_mask
+
+    if problem.dropout_p:
+        return "dropout is not built into the per-sequence tiles yet"
+    lowering = get_mask(problem.mask)
+    if lowering.closed is None:
+        return (f"mask {problem.mask!r} has no closed form of its block bounds; per-sequence tiles run none, causal, "
+                "sliding_window and chunked (attention_varlen runs other masks through the document mask)")
+    texts = [("mask", problem.mask), ("score_mod", problem.score_mod), ("sink", problem.sink)]
+    for (name, text), (_, program) in zip([t for t in texts if t[1] is not None], problem_programs(problem)):
+        nodes = list(walk(program.ir))
+        if any(isinstance(node, Var) and node.name == "b" for node in nodes):
+            return f"{name}={text!r} reads b; packed sequences are one batch row"
+        for node in nodes:
+            if isinstance(node, Input) and node.name in CU_SEQLENS:
+                return f"{name}={text!r} reads {node.name!r}, the name of the sequences' boundaries"
+            if isinstance(node, Input) and any(isinstance(v, Var) and v.name != "h" for i in node.index for v in walk(i)):
+                return (f"{name}={text!r} indexes input {node.name!r} by a position; per-sequence tiles read "
+                        "inputs indexed by h alone")
+    return None
 
 
 def _rewritten(node, kind: str):
@@ -90,6 +143,18 @@ def lowered(mask: str, score_mod: str | None, sink: str | None) -> tuple[str, st
                              "q_idx, kv_idx, q_len, kv_len") from None
     mask_text = _DOCUMENTS if out["mask"] == "True" else f"{_DOCUMENTS} and ({out['mask']})"
     return mask_text, out.get("score_mod"), out.get("sink")
+
+
+@functools.lru_cache(maxsize=64)
+def _per_sequence_spec(key: str, device: int):
+    """The varlen spec of a call's spec key when a family tiling per sequence runs it on `device`, else None."""
+    from attngen import families, targets
+    from attngen.spec import AttentionSpec
+
+    if targets.device_target(device).cc != 90:
+        return None
+    spec = AttentionSpec.from_key(key).replace(varlen=True)
+    return spec if families.supporting(spec.problem, targets.device_target(device)) else None
 
 
 def _check_cu(name: str, cu, other_name: str, other) -> None:
@@ -143,6 +208,21 @@ def varlen_inputs(mask: str, score_mod: str | None, sink: str | None, q, k, cu_s
     return {name: arrays[name] for name in sorted(wanted & RESERVED)}  # int32 for the mask, float32 for modifiers
 
 
+def _per_sequence(q, k, v, mask, score_mod, sink, inputs, dropout_p):
+    """The varlen spec to run this call with kernels that tile per sequence (Problem.varlen), or None
+    for the document mask over batch 1: on sm_90a, eagerly (not under torch.compile), without
+    gradients or dropout, for a mask with closed-form bounds and inputs indexed by h alone (attngen/varlen.py native_reason)."""
+    import torch
+
+    from attngen.api import _needs_grad, _spec_key
+
+    if not PER_SEQUENCE_TILES or dropout_p or type(q) is not torch.Tensor or not q.is_cuda \
+            or torch.compiler.is_compiling() or _needs_grad(torch, q, k, v, inputs):
+        return None
+    key = _spec_key(q.unsqueeze(0), k.unsqueeze(0), None, mask, score_mod, sink)
+    return _per_sequence_spec(key, q.get_device())
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | None = None,
                      max_seqlen_k: int | None = None, *, mask: str = "none", score_mod: str | None = None,
                      sink: str | None = None, inputs: dict | None = None, softmax_scale: float | None = None,
@@ -178,15 +258,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
             raise ValueError(f"{name}={value!r} is invalid; allowed: None or an int >= 0")
     if not isinstance(mask, str):
         raise ValueError(f"mask={mask!r} is invalid; allowed: a mask expression (docs/masks.md)")
+    clash = sorted(set(inputs or {}) & RESERVED)
+    if clash:
+        raise ValueError(f"inputs has {clash[0]!r}; attention_varlen reserves the names {sorted(RESERVED)}")
+    spec = _per_sequence(q, k, v, mask, score_mod, sink, inputs, dropout_p)
+    if spec is not None:  # kernels tiling per sequence: the caller's expressions as they are
+        result = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), spec,
+                           inputs={**(inputs or {}), "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k},
+                           softmax_scale=softmax_scale, return_lse=return_lse)
+        return (result[0][0], result[1][0]) if return_lse else result[0]
     texts = lowered(mask, score_mod, sink)
     reads_positions = any(text is not None and "posf[" in text for text in texts[1:])
     if reads_positions and max(q.shape[0], k.shape[0]) >= FLOAT_EXACT:
         raise ValueError(f"q has {q.shape[0]} and k {k.shape[0]} tokens, and the score modifier or sink reads "
                          f"positions (as float32); allowed: fewer than {FLOAT_EXACT} tokens")
     ours = varlen_inputs(*texts, q, k, cu_seqlens_q, cu_seqlens_k)
-    clash = sorted(set(inputs or {}) & RESERVED)
-    if clash:
-        raise ValueError(f"inputs has {clash[0]!r}; attention_varlen reserves the names {sorted(RESERVED)}")
     result = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask=texts[0], score_mod=texts[1],
                        sink=texts[2], inputs={**(inputs or {}), **ours}, softmax_scale=softmax_scale,
                        return_lse=return_lse, dropout_p=dropout_p, dropout_seed=dropout_seed,

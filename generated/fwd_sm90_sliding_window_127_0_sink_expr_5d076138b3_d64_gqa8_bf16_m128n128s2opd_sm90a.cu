@@ -177,6 +177,8 @@ constexpr bool PINGPONG = true;
 // The tile schedule (dynamic): one CTA per tile, or one per SM dealt pairs of tiles / taking tiles from a counter.
 constexpr bool PAIRS = false;
 constexpr bool DYNAMIC = true;
+// Packed sequences (varlen): tiles per sequence from a list built before the kernel (varlen_tiles.cuh).
+constexpr bool VARLEN = false;
 // Registers move from the producer warpgroup (TMA needs few) to the consumers (S, P and O).
 constexpr bool SET_MAX_REGS = true;
 constexpr int PRODUCER_REGS = 24;
@@ -470,8 +472,8 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[32], const u32 (&a)[4], u64 
 // one's softmax runs under the other's. Key blocks the mask makes empty are never loaded;
 // blocks it makes full are never masked per element.
 // Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
-// CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PAIRS, DYNAMIC, SET_MAX_REGS, PRODUCER_REGS,
-// CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
+// CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PAIRS, DYNAMIC, VARLEN, SET_MAX_REGS,
+// PRODUCER_REGS, CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
 // namespace score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2),
 // and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS); with ATTNGEN_DROPOUT, namespace dropout
 // (attngen/cuda/philox.cuh) and p.rng.
@@ -518,26 +520,67 @@ struct Pipeline {
 // phantom block M (past Sq: nothing to load or store) paired with block 0. DYNAMIC: sections of
 // p.section_heads (batch, head) pairs (a multiple of GQA_RATIO, so a kv head's query heads share
 // one), and within a section block M-1 of every head, then block M-2, ...
+// VARLEN (packed sequences): the list varlen_tiles.cuh built holds each tile's sequence and query
+// block; row0/key0 place the sequence in the packed tensors, sq/sk are its rows and keys, and every
+// position the kernel computes with is the sequence's own. Otherwise row0 = key0 = 0, sq = Sq, sk = Sk.
 struct Tile {
     int m_block, head, batch;
+    int row0, key0, sq, sk;
 };
+
+// The tile's sequence, read through these so a kernel without VARLEN keeps no registers for it.
+__device__ __forceinline__ int seq_q(const Params& p, const Tile& tile) { return VARLEN ? tile.sq : p.Sq; }
+__device__ __forceinline__ int seq_k(const Params& p, const Tile& tile) { return VARLEN ? tile.sk : p.Sk; }
+__device__ __forceinline__ int first_row(const Tile& tile) { return VARLEN ? tile.row0 : 0; }
+__device__ __forceinline__ int first_key(const Tile& tile) { return VARLEN ? tile.key0 : 0; }
+
+#ifdef ATTNGEN_VARLEN
+// The workspace varlen_tiles.cuh fills (ints): [0] the schedule's counter, [1] tiles in the list,
+// then the segment table (int4 {first row, rows, first key, keys}, num_seqs + 2), then the list
+// (int2 {segment, query block}).
+constexpr int VARLEN_HEADER = 4;
+__device__ __forceinline__ int4* segments(const Params& p) {
+    return reinterpret_cast<int4*>(p.tile_counter + VARLEN_HEADER);
+}
+__device__ __forceinline__ int2* tile_list(const Params& p) {
+    return reinterpret_cast<int2*>(segments(p) + p.num_seqs + 2);
+}
+// Tile t: as the dynamic schedule's sections (tile_of), with the list's entries (the longest first)
+// in place of query blocks: sections of p.section_heads query heads whose K/V stay in L2 together
+// while their tiles run (family.py makes them long enough to end level), within a section entry
+// after entry, the section's heads side by side.
+__device__ __forceinline__ Tile varlen_tile(const Params& p, int t) {
+    const int per_section = p.tile_counter[1] * p.section_heads;
+    const int section = t / per_section, r = t - section * per_section;
+    const int heads = min(p.section_heads, p.Hq - section * p.section_heads);  // the last may be short
+    const int e = r / heads, head = section * p.section_heads + (r - e * heads);
+    const int2 entry = tile_list(p)[e];
+    const int4 seg = segments(p)[entry.x];
+    return {entry.y, head, 0, seg.x, seg.z, seg.y, seg.w};
+}
+__device__ __forceinline__ int varlen_tiles(const Params& p) { return p.tile_counter[1] * p.Hq; }
+#else
+__device__ __forceinline__ Tile varlen_tile(const Params&, int) { return {}; }
+__device__ __forceinline__ int varlen_tiles(const Params&) { return 0; }
+#endif
 
 __device__ __forceinline__ int blocks_per_head(const Params& p) {
     return PAIRS ? (p.m_blocks + 1) & ~1 : p.m_blocks;
 }
 
 __device__ __forceinline__ Tile tile_of(const Params& p, int t) {
+    if constexpr (VARLEN) return varlen_tile(p, t);
     if constexpr (DYNAMIC) {
         const int per_section = p.section_heads * p.m_blocks;
         const int section = t / per_section, r = t - section * per_section;
         const int heads = min(p.section_heads, p.Hq * p.batch - section * p.section_heads);  // the last may be short
         const int bh = section * p.section_heads + r % heads;
-        return {p.m_blocks - 1 - r / heads, bh % p.Hq, bh / p.Hq};
+        return {p.m_blocks - 1 - r / heads, bh % p.Hq, bh / p.Hq, 0, 0, p.Sq, p.Sk};
     }
     const int per_head = blocks_per_head(p);
     const int bh = t / per_head, r = t - bh * per_head;
     const int m_block = !PAIRS ? per_head - 1 - r : (r & 1) ? r / 2 : per_head - 1 - r / 2;
-    return {m_block, bh % p.Hq, bh / p.Hq};
+    return {m_block, bh % p.Hq, bh / p.Hq, 0, 0, p.Sq, p.Sk};
 }
 
 // The order position of this CTA's j-th tile under a static schedule (grid, PAIRS); the first one
@@ -575,11 +618,11 @@ struct Blocks {
 };
 
 __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
-    const int m0 = tile.m_block * BLOCK_M, m1 = min(m0 + BLOCK_M, p.Sq);
-    if (m0 >= p.Sq) return {0, 0, 0, 0, nullptr};  // a phantom block past the last row
-    const mask::Bounds mb = mask::bounds(m0, m1, p.Sq, p.Sk, tile.batch, tile.head, p);
+    const int m0 = tile.m_block * BLOCK_M, m1 = min(m0 + BLOCK_M, seq_q(p, tile));
+    if (m0 >= seq_q(p, tile)) return {0, 0, 0, 0, nullptr};  // a phantom block past the last row
+    const mask::Bounds mb = mask::bounds(m0, m1, seq_q(p, tile), seq_k(p, tile), tile.batch, tile.head, p);
     if (mask::LISTED && mb.kv_begin < 0)  // {-1, count, 0, 0}: holes in the span, walk the list
-        return {0, mb.kv_end, 0, p.Sk, mask::key_blocks(m0, p.Sq, p.Sk, tile.batch, tile.head, p)};
+        return {0, mb.kv_end, 0, seq_k(p, tile), mask::key_blocks(m0, p.Sq, p.Sk, tile.batch, tile.head, p)};
     Blocks b;
     b.n_begin = mb.kv_begin / BLOCK_N;
 #ifdef ATTNGEN_FAULT_DROP_LAST_PARTIAL_KV_TILE
@@ -588,7 +631,7 @@ __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
     b.n_end = mb.kv_end > mb.kv_begin ? (mb.kv_end + BLOCK_N - 1) / BLOCK_N : b.n_begin;
 #endif
     b.full_lo = mb.full_begin;
-    b.full_hi = min(mb.full_end, p.Sk);  // a ragged last block is always masked
+    b.full_hi = min(mb.full_end, seq_k(p, tile));  // a ragged last block is always masked
     return b;
 }
 
@@ -629,7 +672,8 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
             mbar_expect_tx(q_full, Q_BYTES);
 #pragma unroll
             for (int c = 0; c < CHUNKS; ++c)
-                tma_load(sQ + qb * Q_BYTES + c * Q_CHUNK, &p.tmap_q, q_full, c * 64, m0, tile.head, tile.batch);
+                tma_load(sQ + qb * Q_BYTES + c * Q_CHUNK, &p.tmap_q, q_full, c * 64, first_row(tile) + m0,
+                         tile.head, tile.batch);
         }
 #pragma unroll 1
         for (int it = 0; it < b.count(); ++it, ++g) {
@@ -643,7 +687,8 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
                 mbar_expect_tx(k_full, KV_BYTES);
 #pragma unroll
                 for (int c = 0; c < CHUNKS; ++c)
-                    tma_load(sK + stage * KV_BYTES + c * KV_CHUNK, &p.tmap_k, k_full, c * 64, n0, kv_head, tile.batch);
+                    tma_load(sK + stage * KV_BYTES + c * KV_CHUNK, &p.tmap_k, k_full, c * 64, first_key(tile) + n0,
+                             kv_head, tile.batch);
             }
             mbar_wait(smem_u32(&pipe.v_empty[stage]), phase ^ 1);
             if (leader) {
@@ -651,7 +696,8 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
                 mbar_expect_tx(v_full, KV_BYTES);
 #pragma unroll
                 for (int c = 0; c < CHUNKS; ++c)
-                    tma_load(sV + stage * KV_BYTES + c * KV_CHUNK, &p.tmap_v, v_full, c * 64, n0, kv_head, tile.batch);
+                    tma_load(sV + stage * KV_BYTES + c * KV_CHUNK, &p.tmap_v, v_full, c * 64, first_key(tile) + n0,
+                             kv_head, tile.batch);
             }
         }
         t = next;
@@ -682,12 +728,12 @@ __device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&pf)[PK]
 // Accumulator element i of this thread: row +8 when bit 1 of i is set, column 8 (i / 4) + 2 (lane % 4) + (i % 2).
 __device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0, bool full_block, const Params& p,
                                            const Tile& tile, int lane) {
-    const int k0 = n0 + 2 * (lane % 4);
+    const int k0 = n0 + 2 * (lane % 4), sq = seq_q(p, tile), sk = seq_k(p, tile);
 #pragma unroll
     for (int i = 0; i < S_REGS; ++i) {
         const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
         // Rows past Sq are never stored; skipping them keeps input reads in bounds.
-        if (!(k < p.Sk && q < p.Sq && mask::shown(q, k, p.Sq, p.Sk, tile.batch, tile.head, full_block, p)))
+        if (!(k < sk && q < sq && mask::shown(q, k, sq, sk, tile.batch, tile.head, full_block, p)))
             s[i] = NEG_INF;
     }
 }
@@ -697,12 +743,12 @@ __device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0,
 __device__ __forceinline__ void prepare_scores(float (&s)[S_REGS], int row0, const Blocks& b, int it, const Params& p,
                                                const Tile& tile, int lane) {
     if constexpr (score::MODIFIED) {
-        const int k0 = b.key0(it) + 2 * (lane % 4);
+        const int k0 = b.key0(it) + 2 * (lane % 4), sq = seq_q(p, tile), sk = seq_k(p, tile);
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) {
             const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
-            if (q < p.Sq && k < p.Sk)  // in bounds for the modifier's runtime inputs
-                s[i] = score::modify(s[i] * p.scale, q, k, p.Sq, p.Sk, tile.batch, tile.head, p);
+            if (q < sq && k < sk)  // in bounds for the modifier's runtime inputs
+                s[i] = score::modify(s[i] * p.scale, q, k, sq, sk, tile.batch, tile.head, p);
         }
     }
     if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), b.full_block(it), p, tile, lane);
@@ -782,6 +828,28 @@ __device__ __forceinline__ bool more_work(const Params& p, int j, int tiles) {
     for (int t = tile_index(++j, tiles); t < tiles; t = tile_index(++j, tiles))
         if (kv_blocks(p, tile_of(p, t)).count() > 0) return true;
     return false;
+}
+
+// VARLEN: this warpgroup's staged output rows (first: the first one's position in its sequence)
+// copied to out 16 bytes at a time, up to the sequence's last row; a TMA store would write the next
+// sequence's rows too. The tile's rows lie in [0, Sq) (varlen_tiles.cuh keeps segments inside q).
+__device__ __forceinline__ void store_rows(const Params& p, u32 q_rows, const Tile& tile, int first, int tid) {
+#ifdef ATTNGEN_VARLEN
+    constexpr int UNITS = HEAD_DIM / 8;  // 16-byte units of a row; unit c sits in column chunk c / 8
+    const int rows = min(64, seq_q(p, tile) - first);
+#pragma unroll 1
+    for (int u = tid; u < rows * UNITS; u += WG_THREADS) {
+        const int r = u / UNITS, c = u % UNITS;
+        const u32 addr = q_rows + (c / 8) * Q_CHUNK + r * 128 + (((c % 8) ^ (r % 8)) * 16);
+        uint4 v;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+        const i64 row = first_row(tile) + first + r;
+        *reinterpret_cast<uint4*>(p.o + row * p.o_s1 + (i64)tile.head * p.o_s2 + c * 8) = v;
+    }
+#else
+    (void)p; (void)q_rows; (void)tile; (void)first; (void)tid;
+#endif
 }
 
 // One tile of one consumer warpgroup: g is the ring position of its first K/V block.
@@ -896,11 +964,13 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
     for (int h = 0; h < 2; ++h) {
         const int q = row0 + 8 * h;
         float lse;  // a row with no visible key: output 0, LSE -inf (or the sink)
-        inv[h] = score::finish_row(row_max[h], quad_sum(row_sum[h]), q, p.Sq, p.Sk, tile.batch, tile.head, p, lse);
+        inv[h] = score::finish_row(row_max[h], quad_sum(row_sum[h]), q, seq_q(p, tile), seq_k(p, tile), tile.batch,
+                                   tile.head, p, lse);
 #ifdef ATTNGEN_DROPOUT
         inv[h] *= dropout::SCALE;  // kept probabilities are scaled by 1 / (1 - p)
 #endif
-        if (lane % 4 == 0 && q < p.Sq) p.lse[((i64)tile.batch * p.Hq + tile.head) * p.Sq + q] = lse;
+        if (lane % 4 == 0 && q < seq_q(p, tile))
+            p.lse[((i64)tile.batch * p.Hq + tile.head) * p.Sq + first_row(tile) + q] = lse;
     }
 #pragma unroll
     for (int j = 0; j < O_REGS / 2; ++j) {
@@ -912,7 +982,10 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
     }
     fence_async_smem();
     named_sync(STORE_BARRIER + wg, WG_THREADS);
-    if (tid == 0) {
+    if constexpr (VARLEN) {
+        store_rows(p, q_rows, tile, m0 + wg * 64, tid);
+        named_sync(STORE_BARRIER + wg, WG_THREADS);  // every row has left the Q buffer before it is released
+    } else if (tid == 0) {
 #pragma unroll
         for (int c = 0; c < CHUNKS; ++c)
             tma_store(&p.tmap_o, q_rows + c * Q_CHUNK, c * 64, m0 + wg * 64, tile.head, tile.batch);
@@ -964,7 +1037,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
     // Swizzled tiles must start on 1024-byte boundaries: align the base (SMEM_BYTES has the slack).
     const u32 sQ = (smem_u32(smem_raw) + ALIGN - 1) & ~static_cast<u32>(ALIGN - 1);
     const u32 sK = sQ + Q_BUFFERS * Q_BYTES, sV = sK + NUM_STAGES * KV_BYTES;
-    const int tiles = blocks_per_head(p) * p.Hq * p.batch;
+    const int tiles = VARLEN ? varlen_tiles(p) : blocks_per_head(p) * p.Hq * p.batch;
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int q = 0; q < Q_BUFFERS; ++q) {

@@ -199,3 +199,67 @@ def test_the_runtime_compiler_builds_every_default(name):
     for d in (64, 96, 128, 256):
         plan = plan_spec(AttentionSpec(head_dim=d, mask="causal", family=name), target)
         assert nvrtc_compile(family.render(plan), plan.name, NVRTC_OPTIONS, target.name)
+
+
+def test_varlen_problems_run_only_on_per_sequence_tiles():
+    """Problem.varlen (packed sequences): fwd_sm90 alone supports it, for masks with closed-form
+    bounds and inputs indexed by h; every other family says why not."""
+    from attngen.families import FAMILIES
+
+    def reasons(**kw):
+        problem = AttentionSpec(head_dim=128, varlen=True, **kw).problem
+        return {name: get_family(name).supports(problem, H100) for name in FAMILIES}
+
+    for kw in ({"mask": "causal"}, {"mask": "sliding_window(100, 0)", "score_mod": "softcap(20.0)", "sink": "sinks[h]"},
+               {"mask": "chunked(64) and causal"}, {"score_mod": "alibi"}):
+        found = reasons(**kw)
+        assert found.pop("fwd_sm90") is None, kw
+        assert all("packed sequences (varlen) run on a family that tiles per sequence" in r for r in found.values())
+    refusals = {"mask": ("q_idx >= kv_idx", "no closed form"), "score_mod": ("score + bias[q_idx]", "by a position"),
+                "sink": ("sinks[b]", "reads b")}
+    for field, (text, why) in refusals.items():
+        assert why in reasons(**{field: text})["fwd_sm90"]
+    assert "dropout" in reasons(dropout_p=0.125)["fwd_sm90"]
+    with pytest.raises(SpecError, match="varlen='yes' is invalid"):
+        AttentionSpec(head_dim=64, varlen="yes")
+    spec = AttentionSpec(head_dim=64, varlen=True)
+    assert spec.key().endswith(',"varlen":true}') and "varlen" not in AttentionSpec(head_dim=64).key()
+    assert spec.problem.label().endswith("_varlen") and AttentionSpec.from_key(spec.key()) == spec
+
+
+def test_varlen_plans_build_their_tile_list_before_the_kernel(monkeypatch):
+    """A varlen plan runs the dynamic schedule (a pinned other one is refused); its first launch is
+    the one-CTA tile builder, then the kernel on min(capacity x heads, SMs) CTAs; the workspace holds
+    the header, the segment table and the list (varlen_tiles.cuh)."""
+    from attngen.families.fwd_sm90 import family as sm90
+
+    monkeypatch.setattr(sm90.tma, "encode", lambda *a, **k: bytes(128))  # no driver on the CPU
+    family = get_family("fwd_sm90")
+    h100 = dataclasses.replace(H100, sms=132)
+    plan = plan_spec(AttentionSpec(head_dim=128, mask="causal", gqa_ratio=2, varlen=True), h100)
+    assert plan.family == "fwd_sm90" and plan.schedule == "dynamic"
+    assert [k.symbol for k in plan.kernels] == [plan.name, f"{plan.name}_tiles"] and plan.kernels[1].threads == 1024
+    names = [p.name for p in plan.kernels[0].abi.params]
+    assert {"in_cu_seqlens_q", "in_cu_seqlens_k", "num_seqs", "o", "o_s1", "o_s2"} <= set(names)
+    with pytest.raises(SpecError, match="allowed: schedule=dynamic"):
+        plan_spec(AttentionSpec(head_dim=128, varlen=True, family="fwd_sm90", config={"schedule": "pairs"}), h100)
+    for sequences, total, grid in ((3, 1000, 52), (16, 16384, 132)):
+        cu = _tensor("cu", (sequences + 1,), "int32")
+        call = _sm90_call(128, 1, total, 4, 2, workspace=1 << 30, inputs=(("cu_seqlens_k", cu), ("cu_seqlens_q", cu)))
+        capacity = math.ceil(total / 128) + sequences + 2
+        assert sm90.varlen_capacity(plan, call) == capacity
+        assert family.workspace_bytes(plan, call) == 16 + 16 * (sequences + 2) + 8 * capacity
+        build, main = family.launches(plan, call)
+        assert build.kernel == f"{plan.name}_tiles" and build.grid == (1, 1, 1) and build.block == (1024, 1, 1)
+        assert main.kernel == plan.name and main.grid == (min(capacity * 4, 132), 1, 1) and build.params == main.params
+        assert grid == main.grid[0]
+
+
+@pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
+@pytest.mark.parametrize("head_dim, mask", [(64, "causal"), (128, "sliding_window(255, 0)"), (256, "causal"),
+                                            (256, "sliding_window(100, 0)")])
+def test_varlen_kernels_compile_for_sm90a_without_spills(head_dim, mask):
+    extra = {"score_mod": "softcap(20.0)", "sink": "sinks[h]"} if "window" in mask else {}
+    plan = plan_spec(AttentionSpec(head_dim=head_dim, mask=mask, varlen=True, **extra), targets.target("sm_90a"))
+    report = nvcc.check_plan(plan)
+    assert report.spill_bytes == 0, report

@@ -188,7 +188,12 @@ def problem_inputs(problem: Problem) -> tuple:
     """The runtime inputs a problem's expressions read (attngen/runtime_inputs.py Declared)."""
     from attngen.runtime_inputs import declared
 
-    return declared(problem_programs(problem))
+    found = declared(problem_programs(problem))
+    if getattr(problem, "varlen", False):  # the sequences' boundaries (attngen/varlen.py)
+        from attngen.varlen import declared_cu_seqlens
+
+        found = tuple(sorted((*found, *declared_cu_seqlens()), key=lambda d: d.name))
+    return found
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,18 @@ class Sm90Args:
     tmap_o: bytes
     tile_counter: int = 0
     section_heads: int = 1
+    num_seqs: int = 0  # varlen: the sequences packed in q, k, v
+
+
+# Packed sequences (Problem.varlen): the sequence count for the tile builder, and out's pointer and
+# strides for the kernel's own stores (a TMA store would cross into the next sequence's rows).
+VARLEN_ARGUMENTS = (
+    Param("num_seqs", "int", "i32", lambda a: a.num_seqs, "varlen: sequences (cu_seqlens entries - 1)"),
+    Param("o", "u16*", "ptr", lambda a: a.call.out.ptr, "varlen: out (1, total_q, Hq, D)"),
+    Param("o_s1", "i64", "i64", lambda a: a.call.out.strides[1], "varlen: out's row stride (elements)"),
+    Param("o_s2", "i64", "i64", lambda a: a.call.out.strides[2], "varlen: out's head stride (elements)"),
+)
+VARLEN_BUILD_THREADS = 1024  # varlen_tiles.cuh BUILD_THREADS
 
 
 ARGUMENTS = Abi("FwdSm90Params", [
@@ -157,6 +169,34 @@ def smem_bytes(config: Sm90Config, head_dim: int, q_buffers: int = 1) -> int:
     every row padded to whole 64-column chunks."""
     chunks = -(-head_dim // 64)
     return 1024 + chunks * 128 * (q_buffers * config.block_m + 2 * config.num_stages * config.block_n)
+
+
+# A varlen call's sections (varlen_tile) hold at least this many waves of tiles, so the longest tile of
+# the last section does not leave the other SMs idle (a section of one head ran 9% longer, modelled
+# and measured: docs/perf-notes.md "Per-sequence tiles").
+VARLEN_SECTION_WAVES = 4
+
+
+def varlen_section_heads(call: ForwardCall, gqa_ratio: int, itemsize: int, capacity: int, sms: int) -> int:
+    """Query heads per section of a varlen call: as many as L2 holds the K/V of (section_heads), or
+    more, up to every head, until a section holds VARLEN_SECTION_WAVES waves of the list's tiles."""
+    waves = math.ceil(VARLEN_SECTION_WAVES * sms / max(capacity * gqa_ratio, 1)) * gqa_ratio
+    return min(max(section_heads(call, gqa_ratio, itemsize), waves), call.heads_q)
+
+
+def varlen_capacity(plan: Sm90Plan, call: ForwardCall) -> int:
+    """The most tiles (query blocks) a varlen call's list can hold: every sequence's blocks, one
+    ragged per sequence, and the rows before the first and after the last (varlen_tiles.cuh)."""
+    return math.ceil(call.seq_q / plan.block_m) + num_seqs(call) + 2
+
+
+def num_seqs(call: ForwardCall) -> int:
+    return call.input("cu_seqlens_q").shape[0] - 1
+
+
+def _varlen_bytes(plan: Sm90Plan, call: ForwardCall) -> int:
+    """The varlen workspace: header (4 ints), segment table (int4 per sequence + 2), tile list (int2)."""
+    return 16 + 16 * (num_seqs(call) + 2) + 8 * varlen_capacity(plan, call)
 
 
 def _counter_offset(plan: Sm90Plan, call: ForwardCall) -> int:
@@ -193,7 +233,7 @@ class Sm90Forward(KernelFamily):
             return f"needs sm_90a (H100, H200): wgmma and setmaxnreg do not exist on {target.name}"
         if problem.head_dim not in HEAD_DIMS:
             return f"head_dim {problem.head_dim} is not one of {HEAD_DIMS}"
-        return mask_problem(problem)
+        return mask_problem(problem, per_sequence_tiles=True)
 
     def check_config(self, config: Mapping[str, Any]) -> list[str]:
         problems = super().check_config(config)
@@ -210,7 +250,7 @@ class Sm90Forward(KernelFamily):
 
     def default_config(self, problem: Problem, target: Target) -> Sm90Config:
         plain = problem.mask in ("none", "causal") and problem.score_mod is None and problem.sink is None
-        kind = problem.mask if plain else "expressions"
+        kind = "varlen" if problem.varlen else problem.mask if plain else "expressions"
         table = _preferences()
         if problem.gqa_ratio > 1 and (problem.head_dim, f"{kind}_gqa") in table:
             kind = f"{kind}_gqa"
@@ -226,6 +266,8 @@ class Sm90Forward(KernelFamily):
         config = {f: pinned.get(f, getattr(default, f)) for f in self.config_fields}
         if config["consumers"] == 1 and "pingpong" not in pinned:
             config["pingpong"] = False  # nothing to take turns with
+        if problem.varlen and "schedule" not in pinned:
+            config["schedule"] = "dynamic"  # the tile list is read through the dynamic schedule's counter
         return Sm90Config(**config)
 
     def plan(self, problem: Problem, target: Target, config: Sm90Config, *, fault: str | None = None) -> Sm90Plan:
@@ -239,6 +281,9 @@ class Sm90Forward(KernelFamily):
             raise SpecError(f"config {config.label()}: {config.consumers} consumer warpgroups leave 160 registers per "
                             f"thread, too few for dropout's keep masks beside S, P and O; allowed with dropout_p > 0: "
                             f"consumers <= {DROPOUT_CONSUMERS}", field="config")
+        if problem.varlen and config.schedule != "dynamic":
+            raise SpecError(f"config {config.label()}: packed sequences (varlen) take their tiles from a list through "
+                            f"the dynamic schedule; allowed: schedule=dynamic", field="config")
         q_buffers = 2 if smem_bytes(config, problem.head_dim, 2) <= target.smem_per_block else 1
         smem = smem_bytes(config, problem.head_dim, q_buffers)
         if smem > target.smem_per_block:
@@ -254,7 +299,11 @@ class Sm90Forward(KernelFamily):
                                     config.block_m)
         if problem.dropout_p:
             abi = dropout.with_rng(abi, _the_call)
-        reset = (KernelPlan(f"{name}_reset", 32, 0, abi),) if config.schedule == "dynamic" else ()
+        if problem.varlen:
+            abi = Abi(abi.struct_name, [*abi.params, *VARLEN_ARGUMENTS])
+            reset = (KernelPlan(f"{name}_tiles", VARLEN_BUILD_THREADS, 0, abi),)
+        else:
+            reset = (KernelPlan(f"{name}_reset", 32, 0, abi),) if config.schedule == "dynamic" else ()
         return Sm90Plan(
             family=self.name, name=name, problem=problem, target=target, config=config,
             kernels=(KernelPlan(name, threads, smem, abi), *mask_table.kernels(name, table, abi), *reset),
@@ -276,6 +325,8 @@ class Sm90Forward(KernelFamily):
         return None
 
     def workspace_bytes(self, plan: Sm90Plan, call: ForwardCall) -> int:
+        if plan.problem.varlen:
+            return _counter_offset(plan, call) + _varlen_bytes(plan, call)
         return _counter_offset(plan, call) + (mask_table.ALIGN if plan.schedule == "dynamic" else 0)
 
     def launches(self, plan: Sm90Plan, call: ForwardCall) -> list[Launch]:
@@ -284,14 +335,23 @@ class Sm90Forward(KernelFamily):
         def tensor_map(t, rows):
             return tma.encode(dtype.tensor_map_code, t.ptr, t.shape, t.strides, dtype.itemsize, rows)
 
-        m_blocks = math.ceil(call.seq_q / plan.block_m)
+        varlen = plan.problem.varlen
+        # varlen: m_blocks is the tile list's capacity (varlen_tiles.cuh)
+        m_blocks = varlen_capacity(plan, call) if varlen else math.ceil(call.seq_q / plan.block_m)
         dynamic = plan.schedule == "dynamic"
+        sms = plan.target.sms or DEFAULT_SMS
+        itemsize = get_dtype(plan.dtype).itemsize
+        heads = varlen_section_heads(call, plan.gqa_ratio, itemsize, m_blocks, sms) if varlen \
+            else section_heads(call, plan.gqa_ratio, itemsize)
         args = Sm90Args(call, m_blocks, tensor_map(call.q, plan.block_m), tensor_map(call.k, plan.block_n),
                         tensor_map(call.v, plan.block_n), tensor_map(call.out, 64),
-                        call.workspace + _counter_offset(plan, call) if dynamic else 0,
-                        section_heads(call, plan.gqa_ratio, get_dtype(plan.dtype).itemsize))
+                        call.workspace + _counter_offset(plan, call) if dynamic else 0, heads,
+                        num_seqs(call) if varlen else 0)
         tiles = m_blocks * call.heads_q * call.batch
-        sms = plan.target.sms or DEFAULT_SMS
+        if varlen:
+            params = plan.kernels[0].abi.pack(args)
+            return [Launch(plan.kernels[-1].symbol, (1, 1, 1), (VARLEN_BUILD_THREADS, 1, 1), 0, params),
+                    Launch(plan.name, (min(tiles, sms), 1, 1), (plan.threads, 1, 1), plan.smem_bytes, params)]
         if plan.schedule == "pairs":  # pairs of tiles (an even count per head) dealt out to one CTA per SM at most
             tiles = (m_blocks + 1) // 2 * 2 * call.heads_q * call.batch
             grid = (tiles if tiles <= sms else min(tiles // 2, sms), 1, 1)  # flash_fwd_sm90.cuh tile_index

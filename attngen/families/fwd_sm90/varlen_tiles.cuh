@@ -1,0 +1,162 @@
+// ---- varlen_tiles.cuh: the tiles of a packed-sequence (varlen) call, built on the GPU ----
+// Sequences packed end to end (attngen/varlen.py) are tiled per sequence: a tile's query rows and
+// keys never cross a sequence's boundary, so its mask is the sequence's own (per-sequence
+// positions) and no element is masked for belonging to another sequence. One CTA of
+// BUILD_THREADS builds, before the forward kernel runs (no host synchronisation):
+// - the segment table: segment 0 the rows before the first sequence, 1 + s sequence s, and
+//   num_seqs + 1 the rows after the last; each {first row, rows, first key, keys}. Sequence s
+//   covers [max(cu_q[0..s]), max(cu_q[0..s+1])) clipped to [0, Sq) (and likewise its keys): for
+//   nondecreasing cu_seqlens the sequence itself, for any other values disjoint ranges inside the
+//   tensors. The rows outside every sequence see no key (output 0, LSE -inf, as the contract says).
+// - the tile list: {segment, query block} per tile, sorted by key blocks visited, longest first
+//   (a counting sort over WORK_BUCKETS; ties in any order), so the dynamic schedule's counter hands
+//   out the longest work first.
+// Workspace (p.tile_counter, ints): [0] the schedule's counter, [1] tiles in the list, then the
+// segment table (int4, num_seqs + 2), then the list (int2, at most p.m_blocks entries).
+// Needs Params members in_cu_seqlens_q/k (+ _s0), num_seqs, m_blocks (the list's capacity), Sq, Sk,
+// tile_counter, and fa90's Tile and kv_blocks.
+
+namespace varlen {
+
+constexpr int BUILD_THREADS = 1024;
+constexpr int WORK_BUCKETS = 1024;  // key-block counts sorted apart; longer tiles share the last bucket
+
+// A block-wide inclusive scan of v under op (identity `none`); `total` gets the last thread's value.
+template <class Op>
+__device__ __forceinline__ int block_scan(int v, Op op, int none, int* warp_totals, int& total) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+        const int other = __shfl_up_sync(0xffffffffu, v, d);
+        if (lane >= d) v = op(other, v);
+    }
+    if (lane == 31) warp_totals[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        int w = warp_totals[lane];  // BUILD_THREADS / 32 == 32 warps
+#pragma unroll
+        for (int d = 1; d < 32; d *= 2) {
+            const int other = __shfl_up_sync(0xffffffffu, w, d);
+            if (lane >= d) w = op(other, w);
+        }
+        warp_totals[lane] = w;
+    }
+    __syncthreads();
+    if (warp > 0) v = op(warp_totals[warp - 1], v);
+    total = warp_totals[31];
+    __syncthreads();  // warp_totals is reused by the next scan
+    return v;
+}
+
+__device__ __forceinline__ int query_blocks(int rows) { return (rows + cfg::BLOCK_M - 1) / cfg::BLOCK_M; }
+
+// The list slot of a tile visiting `work` key blocks: the most work first.
+__device__ __forceinline__ int bucket_of(int work) { return WORK_BUCKETS - 1 - min(work, WORK_BUCKETS - 1); }
+
+__device__ __forceinline__ int work_of(const FwdSm90Params& p, int4 seg, int m_block) {
+    return fa90::kv_blocks(p, fa90::Tile{m_block, 0, 0, seg.x, seg.z, seg.y, seg.w}).count();
+}
+
+// Pass 0 counts each bucket's tiles, pass 1 places them. Chunks of BUILD_THREADS sequences: a
+// scan of their query blocks gives each sequence its first tile, and the chunk's tiles are spread
+// over the threads (a thread finds its tile's sequence by binary search), so one long sequence and
+// many short ones cost alike.
+__device__ void build(const FwdSm90Params& p) {
+    __shared__ int count[WORK_BUCKETS];
+    __shared__ int first_tile[BUILD_THREADS + 1];
+    __shared__ int warp_totals[32];
+    __shared__ int carry[2];  // the ranges' ends so far: rows, keys
+    const int tid = threadIdx.x;
+    const int n = p.num_seqs;
+    int4* seg = fa90::segments(p);
+    int2* list = fa90::tile_list(p);
+    auto add = [](int a, int b) { return a + b; };
+    auto maximum = [](int a, int b) { return max(a, b); };
+    for (int i = tid; i < WORK_BUCKETS; i += BUILD_THREADS) count[i] = 0;
+    if (tid == 0) {
+        carry[0] = min(max(p.in_cu_seqlens_q[0], 0), p.Sq);
+        carry[1] = min(max(p.in_cu_seqlens_k[0], 0), p.Sk);
+        seg[0] = make_int4(0, carry[0], 0, 0);  // rows before the first sequence: no key
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int pass = 0; pass < 2; ++pass) {
+        if (pass == 1) {  // count[] becomes each bucket's next free slot, the most work first
+            int total;
+            const int c = count[tid];
+            count[tid] = block_scan(c, add, 0, warp_totals, total) - c;
+            if (tid == 0) p.tile_counter[1] = min(total, p.m_blocks);
+            __syncthreads();
+        }
+        // Chunk c of sequences: thread tid holds sequence s = c + tid.
+#pragma unroll 1
+        for (int c = 0; c < n; c += BUILD_THREADS) {
+            const int s = c + tid;
+            int4 mine = make_int4(0, 0, 0, 0);
+            if (pass == 0) {
+                const int q_end = s < n ? p.in_cu_seqlens_q[(long long)(s + 1) * p.in_cu_seqlens_q_s0] : 0;
+                const int k_end = s < n ? p.in_cu_seqlens_k[(long long)(s + 1) * p.in_cu_seqlens_k_s0] : 0;
+                int total;
+                const int q1 = min(max(block_scan(q_end, maximum, 0, warp_totals, total), carry[0]), p.Sq);
+                const int k1 = min(max(block_scan(k_end, maximum, 0, warp_totals, total), carry[1]), p.Sk);
+                // Each sequence starts where the one before ends (first_tile is borrowed to pass the ends).
+                first_tile[tid] = q1;
+                __syncthreads();
+                const int prev_q = tid == 0 ? carry[0] : first_tile[tid - 1];
+                __syncthreads();
+                first_tile[tid] = k1;
+                __syncthreads();
+                const int prev_k = tid == 0 ? carry[1] : first_tile[tid - 1];
+                mine = make_int4(prev_q, q1 - prev_q, prev_k, k1 - prev_k);
+                if (s < n) seg[1 + s] = mine;
+                __syncthreads();
+                if (tid == min(BUILD_THREADS, n - c) - 1) {
+                    carry[0] = q1;
+                    carry[1] = k1;
+                }
+            } else if (s < n) {
+                mine = seg[1 + s];
+            }
+            int chunk_tiles;
+            const int blocks = s < n ? query_blocks(mine.y) : 0;
+            first_tile[tid + 1] = block_scan(blocks, add, 0, warp_totals, chunk_tiles);
+            if (tid == 0) first_tile[0] = 0;
+            __syncthreads();
+#pragma unroll 1
+            for (int e = tid; e < chunk_tiles; e += BUILD_THREADS) {
+                int lo = 0, hi = BUILD_THREADS;  // the last sequence whose first tile is <= e
+                while (hi - lo > 1) {
+                    const int mid = (lo + hi) / 2;
+                    if (first_tile[mid] <= e) lo = mid; else hi = mid;
+                }
+                const int m_block = e - first_tile[lo];
+                const int bucket = bucket_of(work_of(p, seg[1 + c + lo], m_block));
+                if (pass == 0) {
+                    atomicAdd(&count[bucket], 1);
+                } else {
+                    const int slot = atomicAdd(&count[bucket], 1);
+                    if (slot < p.m_blocks) list[slot] = make_int2(1 + c + lo, m_block);
+                }
+            }
+            __syncthreads();
+        }
+        // The rows before the first sequence and after the last: no key, the least work.
+        if (tid == 0) {
+            if (pass == 0) seg[n + 1] = make_int4(carry[0], p.Sq - carry[0], carry[1], 0);
+            __threadfence_block();
+        }
+        __syncthreads();
+        for (int g = 0; g < 2; ++g) {
+            const int which = g == 0 ? 0 : n + 1;
+            const int4 gap = seg[which];
+            for (int m = tid; m < query_blocks(gap.y); m += BUILD_THREADS) {
+                const int slot = atomicAdd(&count[bucket_of(0)], 1);
+                if (pass == 1 && slot < p.m_blocks) list[slot] = make_int2(which, m);
+            }
+        }
+        __syncthreads();
+    }
+    if (tid == 0) p.tile_counter[0] = 0;  // the dynamic schedule's counter
+}
+
+}  // namespace varlen
