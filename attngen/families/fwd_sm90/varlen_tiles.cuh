@@ -7,11 +7,11 @@
 //   num_seqs + 1 the rows after the last; each {first row, rows, first key, keys}. Sequence s
 //   covers [max(cu_q[0..s]), max(cu_q[0..s+1])) clipped to [0, Sq) (and likewise its keys): for
 //   nondecreasing cu_seqlens the sequence itself, for any other values disjoint ranges inside the
-//   tensors. The rows outside every sequence see no key (output 0, LSE -inf, as the contract says).
-// - the tile list: {segment, query block} per tile, sorted by key blocks visited, longest first
-//   (a counting sort over WORK_BUCKETS; ties in any order), so the dynamic schedule's counter hands
-//   out the longest work first.
-// Workspace (p.tile_counter, ints): [0] the schedule's counter, [1] tiles in the list, then the
+//   tensors. Rows outside every sequence see no key (output 0; LSE -inf, or the sink's logit).
+// - the tile list: {segment, query block} per entry, sorted by key blocks visited, longest first
+//   (a counting sort over WORK_BUCKETS; ties in any order); the kernel runs each entry once per query
+//   head, in sections of heads (flash_fwd_sm90.cuh varlen_tile), the longest first within each.
+// Workspace (p.tile_counter, ints): [0] the schedule's counter, [1] entries in the list, then the
 // segment table (int4, num_seqs + 2), then the list (int2, at most p.m_blocks entries).
 // Needs Params members in_cu_seqlens_q/k (+ _s0), num_seqs, m_blocks (the list's capacity), Sq, Sk,
 // tile_counter, and fa90's Tile and kv_blocks.
@@ -20,10 +20,11 @@ namespace varlen {
 
 constexpr int BUILD_THREADS = 1024;
 constexpr int WORK_BUCKETS = 1024;  // key-block counts sorted apart; longer tiles share the last bucket
+static_assert(WORK_BUCKETS == BUILD_THREADS, "the buckets' scan gives one bucket to each thread");
 
-// A block-wide inclusive scan of v under op (identity `none`); `total` gets the last thread's value.
+// A block-wide inclusive scan of v under op; `total` gets the last thread's value.
 template <class Op>
-__device__ __forceinline__ int block_scan(int v, Op op, int none, int* warp_totals, int& total) {
+__device__ __forceinline__ int block_scan(int v, Op op, int* warp_totals, int& total) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
     for (int d = 1; d < 32; d *= 2) {
@@ -84,7 +85,7 @@ __device__ void build(const FwdSm90Params& p) {
         if (pass == 1) {  // count[] becomes each bucket's next free slot, the most work first
             int total;
             const int c = count[tid];
-            count[tid] = block_scan(c, add, 0, warp_totals, total) - c;
+            count[tid] = block_scan(c, add, warp_totals, total) - c;
             if (tid == 0) p.tile_counter[1] = min(total, p.m_blocks);
             __syncthreads();
         }
@@ -97,8 +98,8 @@ __device__ void build(const FwdSm90Params& p) {
                 const int q_end = s < n ? p.in_cu_seqlens_q[(long long)(s + 1) * p.in_cu_seqlens_q_s0] : 0;
                 const int k_end = s < n ? p.in_cu_seqlens_k[(long long)(s + 1) * p.in_cu_seqlens_k_s0] : 0;
                 int total;
-                const int q1 = min(max(block_scan(q_end, maximum, 0, warp_totals, total), carry[0]), p.Sq);
-                const int k1 = min(max(block_scan(k_end, maximum, 0, warp_totals, total), carry[1]), p.Sk);
+                const int q1 = min(max(block_scan(q_end, maximum, warp_totals, total), carry[0]), p.Sq);
+                const int k1 = min(max(block_scan(k_end, maximum, warp_totals, total), carry[1]), p.Sk);
                 // Each sequence starts where the one before ends (first_tile is borrowed to pass the ends).
                 first_tile[tid] = q1;
                 __syncthreads();
@@ -119,7 +120,7 @@ __device__ void build(const FwdSm90Params& p) {
             }
             int chunk_tiles;
             const int blocks = s < n ? query_blocks(mine.y) : 0;
-            first_tile[tid + 1] = block_scan(blocks, add, 0, warp_totals, chunk_tiles);
+            first_tile[tid + 1] = block_scan(blocks, add, warp_totals, chunk_tiles);
             if (tid == 0) first_tile[0] = 0;
             __syncthreads();
 #pragma unroll 1
