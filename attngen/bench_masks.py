@@ -111,8 +111,9 @@ def run_mask_bench(out_dir: Path) -> dict:
             attngen.varlen.PER_SEQUENCE_TILES = True
         varlen_tflops = doc_pairs * pair_flops / varlen_ms / 1e9
         results["varlen_documents"] = {"ms": varlen_ms, "tflops": varlen_tflops, "flex_ms": flex_doc_ms,
-                                       "vs_dense_causal": varlen_tflops / causal_tflops, "vs_flex": flex_doc_ms / varlen_ms,
-                                       "document_mask_ms": varlen_mask_ms, "vs_document_ids": varlen_ms / doc_ms}
+                                       "vs_dense_causal": varlen_tflops / causal_tflops,
+                                       "vs_flex": flex_doc_ms / varlen_ms, "document_mask_ms": varlen_mask_ms,
+                                       "vs_document_ids": varlen_ms / doc_ms}
 
         start = time.perf_counter()
         for _ in range(10):

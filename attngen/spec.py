@@ -59,8 +59,8 @@ def _is_int(value) -> bool:
 
 def is_set(name: str, value) -> bool:
     """Whether a spec or problem field counts as given (keys, names, manifests): not None, for
-    dropout_p not 0 and for deterministic not False, so a problem without them keeps the identity it
-    had before the fields existed."""
+    dropout_p not 0 and for deterministic and varlen not False, so a problem without them keeps the
+    identity it had before the fields existed."""
     return value is not None and not (name == "dropout_p" and value == 0) \
         and not (name in ("deterministic", "varlen") and value is False)
 

@@ -90,7 +90,9 @@ def native_reason(problem) -> str | None:
         for node in nodes:
             if isinstance(node, Input) and node.name in CU_SEQLENS:
                 return f"{name}={text!r} reads {node.name!r}, the name of the sequences' boundaries"
-            if isinstance(node, Input) and any(isinstance(v, Var) and v.name != "h" for i in node.index for v in walk(i)):
+            positional = isinstance(node, Input) and any(isinstance(v, Var) and v.name != "h"
+                                                         for index in node.index for v in walk(index))
+            if positional:
                 return (f"{name}={text!r} indexes input {node.name!r} by a position; per-sequence tiles read "
                         "inputs indexed by h alone")
     return None
@@ -147,12 +149,11 @@ def lowered(mask: str, score_mod: str | None, sink: str | None) -> tuple[str, st
 
 @functools.lru_cache(maxsize=64)
 def _per_sequence_spec(key: str, device: int):
-    """The varlen spec of a call's spec key when a family tiling per sequence runs it on `device`, else None."""
+    """The varlen spec of a call's spec key when a family tiling per sequence runs it on `device` (only
+    fwd_sm90 supports varlen problems, on sm_90a), else None."""
     from attngen import families, targets
     from attngen.spec import AttentionSpec
 
-    if targets.device_target(device).cc != 90:
-        return None
     spec = AttentionSpec.from_key(key).replace(varlen=True)
     return spec if families.supporting(spec.problem, targets.device_target(device)) else None
 
@@ -211,7 +212,7 @@ def varlen_inputs(mask: str, score_mod: str | None, sink: str | None, q, k, cu_s
 def _per_sequence(q, k, v, mask, score_mod, sink, inputs, dropout_p):
     """The varlen spec to run this call with kernels that tile per sequence (Problem.varlen), or None
     for the document mask over batch 1: on sm_90a, eagerly (not under torch.compile), without
-    gradients or dropout, for a mask with closed-form bounds and inputs indexed by h alone (attngen/varlen.py native_reason)."""
+    gradients or dropout, for a mask with closed-form bounds and inputs indexed by h alone (native_reason)."""
     import torch
 
     from attngen.api import _needs_grad, _spec_key

@@ -63,7 +63,8 @@ def main(labels: list[str]) -> None:
         print(f"attention_varlen: {t(call):.3f} ms; kernels {kernel_us(torch, call)}")
         for label in labels or SWEEP:
             config = Sm90Config.from_label(label).to_dict()
-            spec = attngen.AttentionSpec(head_dim=HEAD_DIM, mask="causal", varlen=True, family="fwd_sm90", config=config)
+            spec = attngen.AttentionSpec(head_dim=HEAD_DIM, mask="causal", varlen=True, family="fwd_sm90",
+                                         config=config)
             fn = lambda: attngen.attention(q, k, v, spec, inputs={"cu_seqlens_q": cu, "cu_seqlens_k": cu})  # noqa: E731
             try:
                 ms = t(fn)

@@ -1205,6 +1205,7 @@ __device__ void build(const FwdSm90Params& p) {
 
 // Builds the segment table and the tile list of this call and zeroes the tile counter; launched
 // before the kernel.
+static_assert(varlen::BUILD_THREADS == 1024, "attngen/families/fwd_sm90/family.py VARLEN_BUILD_THREADS and the template disagree");
 extern "C" __global__ void __launch_bounds__(varlen::BUILD_THREADS, 1)
 fwd_sm90_causal_d128_gqa4_bf16_varlen_m128n128s2opd_sm90a_tiles(const __grid_constant__ FwdSm90Params p) {
     varlen::build(p);

@@ -263,3 +263,29 @@ def test_varlen_kernels_compile_for_sm90a_without_spills(head_dim, mask):
     plan = plan_spec(AttentionSpec(head_dim=head_dim, mask=mask, varlen=True, **extra), targets.target("sm_90a"))
     report = nvcc.check_plan(plan)
     assert report.spill_bytes == 0, report
+
+
+def test_varlen_calls_are_checked_naming_what_is_wrong():
+    """A varlen call without its boundaries, of batch above 1, or with boundaries of two shapes is
+    refused before launch, naming the argument and what is allowed."""
+    from attngen.runtime.checks import forward_call
+
+    problem = AttentionSpec(head_dim=128, mask="causal", varlen=True).problem
+    cu = _tensor("cu", (4,), "int32")
+
+    def error(batch=1, inputs=None):
+        q, k = _tensor("q", (batch, 100, 4, 128)), _tensor("k", (batch, 100, 4, 128))
+        out, lse = _tensor("out", (batch, 100, 4, 128)), _tensor("lse", (batch, 4, 100), "float32")
+        given = {"cu_seqlens_q": cu, "cu_seqlens_k": cu} if inputs is None else inputs
+        with pytest.raises(ValueError) as info:
+            forward_call(problem, q, k, k, out, lse, None, given)
+        return str(info.value)
+
+    missing = error(inputs={})
+    assert "pass inputs={'cu_seqlens_q': an int32 tensor of shape (sequences + 1,)} (cu_seqlens_q and" in missing
+    assert "pass inputs={'cu_seqlens_k'" in error(inputs={"cu_seqlens_q": cu})
+    assert "allowed: batch 1" in error(batch=2)
+    assert "cu_seqlens_q has shape (4,) and cu_seqlens_k (5,); allowed: the same shape" in \
+        error(inputs={"cu_seqlens_q": cu, "cu_seqlens_k": _tensor("cu", (5,), "int32")})
+    assert "input 'cu_seqlens_k' has dtype int64; allowed: int32" in \
+        error(inputs={"cu_seqlens_q": cu, "cu_seqlens_k": _tensor("cu", (4,), "int64")})

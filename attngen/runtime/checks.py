@@ -93,22 +93,27 @@ def forward_call(problem: Problem, q: TensorInfo, k: TensorInfo, v: TensorInfo, 
     check_output(lse, q, (B, Hq, Sq), "float32")
     inputs = dict(inputs or {})
     declared = problem_inputs(problem)
+    if problem.varlen:
+        _check_varlen(q, inputs)
     if declared or inputs:
         programs = [program for _, program in problem_programs(problem)]
         check(programs, declared, inputs, B, Hq, Sq, k.shape[1], q.device)
-    if problem.varlen:
-        _check_varlen(q, k, inputs)
     check_rng(rng, q, problem.dropout_p)
     return ForwardCall(q, k, v, out, lse, check_scale(softmax_scale, problem),
                        inputs=tuple(sorted(inputs.items())), rng=rng)
 
 
-def _check_varlen(q: TensorInfo, k: TensorInfo, inputs: dict) -> None:
-    """A varlen call (Problem.varlen): one batch row of packed sequences, as many key as query boundaries."""
+def _check_varlen(q: TensorInfo, inputs: dict) -> None:
+    """A varlen call (Problem.varlen): one batch row of packed sequences, as many key as query boundaries
+    (their dtype, rank and device are checked with the other runtime inputs)."""
+    missing = [name for name in ("cu_seqlens_q", "cu_seqlens_k") if name not in inputs]
+    if missing:
+        raise ValueError(f"a varlen call reads the sequences' boundaries: pass inputs={{{missing[0]!r}: an int32 "
+                         "tensor of shape (sequences + 1,)} (cu_seqlens_q and cu_seqlens_k)")
     if q.shape[0] != 1:
         raise ValueError(f"q has shape {q.shape}; a varlen call packs its sequences end to end: allowed: batch 1, "
                          "(1, total_q, heads_q, head_dim)")
     cu_q, cu_k = inputs["cu_seqlens_q"], inputs["cu_seqlens_k"]
-    if cu_q.shape != cu_k.shape or cu_q.shape[0] < 1:
+    if cu_q.shape != cu_k.shape or len(cu_q.shape) != 1 or cu_q.shape[0] < 1:
         raise ValueError(f"cu_seqlens_q has shape {cu_q.shape} and cu_seqlens_k {cu_k.shape}; allowed: the same "
                          "shape (sequences + 1,)")

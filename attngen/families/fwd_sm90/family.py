@@ -299,14 +299,15 @@ class Sm90Forward(KernelFamily):
                                     config.block_m)
         if problem.dropout_p:
             abi = dropout.with_rng(abi, _the_call)
+        # Launched before the kernel: the varlen tile builder, or the dynamic schedule's counter reset.
         if problem.varlen:
             abi = Abi(abi.struct_name, [*abi.params, *VARLEN_ARGUMENTS])
-            reset = (KernelPlan(f"{name}_tiles", VARLEN_BUILD_THREADS, 0, abi),)
+            first = (KernelPlan(f"{name}_tiles", VARLEN_BUILD_THREADS, 0, abi),)
         else:
-            reset = (KernelPlan(f"{name}_reset", 32, 0, abi),) if config.schedule == "dynamic" else ()
+            first = (KernelPlan(f"{name}_reset", 32, 0, abi),) if config.schedule == "dynamic" else ()
         return Sm90Plan(
             family=self.name, name=name, problem=problem, target=target, config=config,
-            kernels=(KernelPlan(name, threads, smem, abi), *mask_table.kernels(name, table, abi), *reset),
+            kernels=(KernelPlan(name, threads, smem, abi), *mask_table.kernels(name, table, abi), *first),
             block_m=config.block_m, block_n=config.block_n,
             fault=fault, consumers=config.consumers, num_stages=config.num_stages, q_buffers=q_buffers,
             overlap=config.overlap, pingpong=config.pingpong, schedule=config.schedule, threads=threads, smem_bytes=smem, producer_regs=producer_regs,
