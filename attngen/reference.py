@@ -136,7 +136,9 @@ def attention_for_spec(
     inputs: dict | None = None, dropout_seed: int = 0, dropout_offset: int = 0,
 ):
     """attention() with mask, score modifier, gqa_ratio, scale and dropout_p taken from an
-    AttentionSpec (or its Problem); with dropout, the call's seed and offset.
+    AttentionSpec (or its Problem); with dropout, the call's seed and offset. For a varlen problem
+    (sequences packed into batch 1, their boundaries the inputs cu_seqlens_q / cu_seqlens_k),
+    attention_varlen below, one sequence at a time.
 
     Inputs may be in the spec's dtype or upcast to float32/float64 (a more exact reference). An
     explicit softmax_scale is held to what a kernel call accepts (attngen/runtime/checks.py).
@@ -150,11 +152,30 @@ def attention_for_spec(
     allowed = (torch_dtype(problem.dtype), torch.float32, torch.float64)
     if q.dtype not in allowed:
         raise ValueError(f"q.dtype={q.dtype} does not match spec dtype {problem.dtype!r}; allowed: {_names(allowed)}")
+    if problem.varlen:
+        return _varlen_for_spec(q, k, v, problem, check_scale(softmax_scale, problem), return_lse, compute_dtype,
+                                inputs)
     return attention(
         q, k, v, mask=problem.mask, softmax_scale=check_scale(softmax_scale, problem), gqa_ratio=problem.gqa_ratio,
         return_lse=return_lse, compute_dtype=compute_dtype, score_mod=problem.score_mod, inputs=inputs,
         sink=problem.sink, dropout_p=problem.dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     )
+
+
+def _varlen_for_spec(q, k, v, problem, softmax_scale, return_lse, compute_dtype, inputs):
+    from attngen.varlen import CU_SEQLENS
+
+    missing = [name for name in CU_SEQLENS if name not in (inputs or {})]
+    if missing or q.shape[0] != 1:
+        raise ValueError(f"a varlen problem packs its sequences into batch 1 (q.shape[0]={q.shape[0]}) with their "
+                         f"boundaries in inputs {list(CU_SEQLENS)} (missing: {missing or 'none'}); allowed: both")
+    if problem.dropout_p:
+        raise ValueError(f"dropout_p={problem.dropout_p}: the varlen reference has no dropout; allowed: 0")
+    theirs = {name: t for name, t in inputs.items() if name not in CU_SEQLENS}
+    out, lse = attention_varlen(q[0], k[0], v[0], inputs["cu_seqlens_q"], inputs["cu_seqlens_k"], mask=problem.mask,
+                                score_mod=problem.score_mod, sink=problem.sink, inputs=theirs or None,
+                                softmax_scale=softmax_scale, compute_dtype=compute_dtype)
+    return (out[None], lse[None]) if return_lse else out[None]
 
 
 def attention_grads(
@@ -309,19 +330,24 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, mask: str = "none",
     """attngen.attention_varlen one sequence at a time: attention() of each sequence's rows and keys as
     a batch of 1, the mask, modifier and sink in that sequence's own positions; (out (total_q,
     heads_q, head_dim), lse (heads_q, total_q)). Runtime inputs must not depend on the position
-    (per-head ones such as slope[h] or sinks[h]). Rows of a sequence without keys, and rows past
-    cu_seqlens_q[-1], give 0 and -inf (the sink's logit for the former, with a sink)."""
+    (per-head ones such as slope[h] or sinks[h]). Rows of a sequence without keys, and rows outside
+    every sequence (before cu_seqlens_q[0], from cu_seqlens_q[-1] on: a run of rows without keys),
+    give 0 and -inf (the sink's logit, with a sink)."""
     total_q, Hq, D = q.shape
     out = torch.zeros(total_q, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.full((Hq, total_q), -math.inf, dtype=torch.float32, device=q.device)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for i in range(len(cq) - 1):
-        q0, q1, k0, k1 = cq[i], cq[i + 1], ck[i], ck[i + 1]
-        if q1 == q0:
+    # Each sequence, then the rows outside every one (before cu_seqlens_q[0], from cu_seqlens_q[-1] on)
+    # as sequences without keys.
+    head, tail = min(max(cq[0], 0), total_q), min(max(cq[-1], 0), total_q)
+    segments = [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)] + [(0, head, 0, 0),
+                                                                                     (tail, total_q, 0, 0)]
+    for q0, q1, k0, k1 in segments:
+        if q1 <= q0:
             continue
         if k1 == k0:  # no key: one stand-in key that nothing sees, so the sink (if any) sets the LSE
-            keys = k[:1] * 0
-            seq_mask, keys_v = "kv_idx < 0", v[:1] * 0
+            keys = keys_v = k.new_zeros((1, *k.shape[1:]))
+            seq_mask = "kv_idx < 0"
         else:
             keys, keys_v, seq_mask = k[k0:k1], v[k0:k1], mask
         o, l_ = attention(q[None, q0:q1], keys[None], keys_v[None], mask=seq_mask, score_mod=score_mod, sink=sink,

@@ -172,15 +172,24 @@ def _check_cu(name: str, cu, other_name: str, other) -> None:
 
 
 def _per_token(torch, cu, total: int):
-    """(sequence, position in it) of each of `total` packed tokens, int32; tokens past cu[-1] get
-    sequence -1 (they see nothing, and nothing sees them)."""
+    """Per packed token, int32: its sequence (-1 outside every one: before cu[0] or from cu[-1] on;
+    it sees nothing and nothing sees it), its position and the first token and length of its
+    sequence, or of its run of tokens outside every sequence (those before cu[0], or those from
+    cu[-1] on: a sequence without keys, as the kernels tiling per sequence treat them)."""
     tokens = torch.arange(total, device=cu.device, dtype=torch.int32)
     sequences = cu.numel() - 1
     seq = torch.searchsorted(cu[1:].contiguous(), tokens, right=True)
-    inside = seq < sequences
+    before, after = tokens < cu[0], seq >= sequences
     seq_c = seq.clamp(max=max(sequences - 1, 0))
-    position = tokens - cu[seq_c]
-    return torch.where(inside, seq_c, -1).to(torch.int32), position.to(torch.int32), seq_c
+    if sequences:
+        start, length = cu[seq_c], cu[seq_c + 1] - cu[seq_c]
+    else:
+        start = length = torch.zeros_like(tokens)
+    tail = cu[-1].clamp(min=0)
+    start = torch.where(before, 0, torch.where(after, tail, start))
+    length = torch.where(before, cu[0], torch.where(after, total - tail, length))
+    doc = torch.where(before | after, -1, seq_c)
+    return doc.to(torch.int32), (tokens - start).to(torch.int32), start.to(torch.int32), length.to(torch.int32)
 
 
 def varlen_inputs(mask: str, score_mod: str | None, sink: str | None, q, k, cu_seqlens_q, cu_seqlens_k) -> dict:
@@ -194,15 +203,15 @@ def varlen_inputs(mask: str, score_mod: str | None, sink: str | None, q, k, cu_s
     for text in (score_mod, sink):
         if text is not None:
             wanted |= {name for name, _ in get_score_mod(text).program.inputs}
-    qdoc, qpos, qseq = _per_token(torch, cu_seqlens_q, q.shape[0])
-    kdoc, kpos, _ = _per_token(torch, cu_seqlens_k, k.shape[0])
-    kdoc = torch.where(kdoc < 0, -2, kdoc)  # past the end on both sides: still apart
-    lengths_q, lengths_k = cu_seqlens_q[1:] - cu_seqlens_q[:-1], cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-    if lengths_q.numel() == 0:  # no sequence: every token is past the end (its doc says so)
-        qlen = klen = qstart = kstart = torch.zeros_like(qpos)
-    else:
-        qlen, klen = lengths_q[qseq], lengths_k[qseq]
-        qstart, kstart = cu_seqlens_q[qseq], cu_seqlens_k[qseq]
+    qdoc, qpos, qstart, qlen = _per_token(torch, cu_seqlens_q, q.shape[0])
+    kdoc, kpos, _, _ = _per_token(torch, cu_seqlens_k, k.shape[0])
+    kdoc = torch.where(kdoc < 0, -2, kdoc)  # outside every sequence on both sides: still apart
+    # The row's sequence's keys (none for a row outside every sequence).
+    inside = qdoc >= 0
+    seq = qdoc.clamp(min=0).long()
+    kstart = torch.where(inside, cu_seqlens_k[seq], 0).to(torch.int32)
+    klen = torch.where(inside, cu_seqlens_k[(seq + 1).clamp(max=cu_seqlens_k.numel() - 1)] - cu_seqlens_k[seq],
+                       0).to(torch.int32)
     arrays = {"varlen_qdoc": qdoc, "varlen_kdoc": kdoc, "varlen_qstart": qstart, "varlen_kstart": kstart,
               "varlen_qlen": qlen, "varlen_klen": klen, "varlen_qposf": qpos.float(), "varlen_kposf": kpos.float(),
               "varlen_qlenf": qlen.float(), "varlen_klenf": klen.float()}
@@ -238,9 +247,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
 
     Returns out (total_q, heads_q, head_dim); with return_lse, (out, lse) with lse float32
     (heads_q, total_q), as FlashAttention's varlen functions. A row whose sequence has no key gives
-    0 and -inf. cu_seqlens are not read on the host (no synchronisation): values that are not
-    nondecreasing from 0 to the totals give the attention of the sequences they describe, and rows
-    past cu_seqlens_q[-1] see no key."""
+    0 and -inf (with a sink, its logit). cu_seqlens are not read on the host (no synchronisation):
+    values that are not nondecreasing from 0 to the totals give the attention of the sequences they
+    describe, and rows before cu_seqlens_q[0] or from cu_seqlens_q[-1] on are a sequence without keys."""
     from attngen.api import attention
 
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -39,6 +39,12 @@ def test_the_problems_vary_every_problem_field():
     assert sum(masks.get_mask(p.mask).closed is None for p in PROBLEMS) >= 3  # masks classified by a scan
     assert {1, 2, 4} <= {p.gqa_ratio for p in PROBLEMS}
     assert any(p.softmax_scale is not None for p in PROBLEMS)
+    # The regimes beyond two lengths (attngen/fuzz/strategies.py, case.py): packed sequences both ways,
+    # offsets as scalar inputs, FlexAttention block states.
+    assert sum(p.varlen for p in PROBLEMS) >= 3
+    assert sum(p.mask.startswith("varlen_qdoc[q_idx] == varlen_kdoc[kv_idx]") for p in PROBLEMS) >= 2
+    assert sum("kv_offset" in p.mask for p in PROBLEMS) >= 2
+    assert sum(p.mask.startswith("block_mask_state[") for p in PROBLEMS) >= 2
     assert PROBLEMS[0].mask == "none"  # what hypothesis shrinks towards: the simplest kernel
     assert len(set(PROBLEMS)) == len(PROBLEMS)
 
@@ -92,8 +98,10 @@ def test_the_builtin_pool_has_the_kernels_of_the_spec_files(target):
     names = {plan.name for plan in _plans(builtin_specs(target), target)}
     for path in SPEC_FILES:
         spec = attngen.load_spec(path)
-        if spec.family in families.DECODE_FAMILIES or spec.family in families.BACKWARD_FAMILIES or spec.varlen:
-            continue  # the fuzzer runs batched forward calls; decode, backward and varlen specs have their GPU tests
+        if spec.family in families.DECODE_FAMILIES or spec.family in families.BACKWARD_FAMILIES:
+            continue  # the fuzzer runs forward calls; decode and backward specs have their GPU tests
+        if spec.varlen and not families.supporting(spec.problem, target):
+            continue  # packed sequences run where a family tiles per sequence (fwd_sm90, sm_90a)
         assert families.plan_spec(spec, target).name in names, f"{path} is not in the pool"
 
 
@@ -178,7 +186,9 @@ def test_the_pool_asks_each_family_what_it_can_run(sm90a_only_family):
     on_hopper = builtin_specs(hopper)
     assert sm90a_only_family.name in _running_on(hopper) and sm90a_only_family.name not in _running_on(ampere)
     assert {spec.family for spec in on_hopper} == _running_on(hopper)
-    assert len([spec for spec in on_hopper if spec.family == sm90a_only_family.name]) == len(PROBLEMS) + EXTRA_CONFIGS
+    supported = [p for p in PROBLEMS if sm90a_only_family.supports(p, hopper) is None]  # all but the varlen ones
+    assert len(supported) == sum(not p.varlen for p in PROBLEMS)
+    assert len([spec for spec in on_hopper if spec.family == sm90a_only_family.name]) == len(supported) + EXTRA_CONFIGS
     assert {spec.family for spec in builtin_specs(ampere)} == _running_on(ampere) == {"fwd_sm80"}
     assert sm90a_only_family.name in {spec.family for spec in random_spec_pool(3, 16, hopper)}
     assert {spec.family for spec in random_spec_pool(3, 16, ampere)} == {"fwd_sm80"}

@@ -11,7 +11,7 @@ import yaml
 import attngen
 from attngen import targets
 from attngen.families import plan_spec
-from attngen.fuzz.case import GUARD_ROWS, FuzzCase, input_digest
+from attngen.fuzz.case import GUARD_ROWS, FuzzCase, input_digest, is_packed
 from attngen.fuzz.check import run_case
 from attngen.fuzz.reproducer import CASE_FILE, SPEC_FILE, load_reproducer, replay, reproducer_dir, write_reproducer
 from attngen.fuzz.runners import Machine, ReferenceRunner
@@ -136,7 +136,7 @@ def test_replay_warns_about_another_target_gpu_nvrtc_or_attngen_but_runs(written
         (lambda r: r["layout"].update(name="nhwc"), r"case.json: layout='nhwc' is invalid"),
         (lambda r: r.update(dtype="bf16"), r"case.json: dtype='bf16' disagrees with spec.yaml .*; allowed: 'fp16'"),
         (lambda r: r["shape"].update(heads_q=4), r"case.json: shape.heads_q=4 disagrees with spec.yaml .*; allowed: 6"),
-        (lambda r: r.update(format=2), r"case.json: format=2 is not supported; allowed: 3 \(rerun the fuzz"),
+        (lambda r: r.update(format=2), r"case.json: format=2 is not supported; allowed: 4 \(rerun the fuzz"),
         (lambda r: r.pop("machine"), r"case.json: missing field 'machine'"),
         # Derived fields someone edited: each would describe another case than the one replayed.
         (lambda r: r["layout"]["strides"].update(q=[1, 2, 3, 4]),
@@ -171,7 +171,7 @@ def test_an_older_reproducer_is_refused_by_its_format_before_its_spec_is_read(wr
     path, _ = written
     _edit_record(path, lambda record: record.update(format=2))
     (path / SPEC_FILE).write_text("head_dim: 64\ndtype: fp16\nblock_m: 32\nblock_n: 16\n")
-    with pytest.raises(ValueError, match=r"case.json: format=2 is not supported; allowed: 3 \(rerun the fuzz"):
+    with pytest.raises(ValueError, match=r"case.json: format=2 is not supported; allowed: 4 \(rerun the fuzz"):
         load_reproducer(path)
 
 
@@ -181,7 +181,8 @@ def test_every_pool_and_random_spec_round_trips_through_a_reproducer(tmp_path, a
 
     target = targets.target(arch)
     for i, spec in enumerate(builtin_specs(target) + random_spec_pool(1, 16, target)):
-        case = FuzzCase(spec, batch=1, seq_q=3, seq_k=4, heads_kv=1, data_seed=i)
+        documents = ((2, 1), (0, 3), (1, 0)) if is_packed(spec) else ()
+        case = FuzzCase(spec, batch=1, seq_q=3, seq_k=4, heads_kv=1, data_seed=i, documents=documents)
         kernel = plan_spec(spec, target).name
         path = write_reproducer(reproducer_dir(tmp_path, case, kernel), case, kernel=kernel,
                                 machine=Machine(target.name))

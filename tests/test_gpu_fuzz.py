@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from attngen import targets
 from attngen.cli import main
 from attngen.families import plan_spec
-from attngen.fuzz.case import FuzzCase
+from attngen.fuzz.case import FuzzCase, is_packed
 from attngen.fuzz.check import run_case
 from attngen.fuzz.pool import builtin_specs
 from attngen.fuzz.reproducer import load_reproducer, replay, reproducer_dir, write_reproducer
@@ -46,6 +46,18 @@ def test_real_kernels_pass_a_short_fuzz(gpu_family):
     assert outcome.failure is None, outcome.failure.describe()
     assert outcome.cases == 600 and set(outcome.kernels) == {runner.kernel_name(s) for s in specs}
     assert all(name.startswith(f"{gpu_family}_") for name in outcome.kernels)
+
+
+def test_the_regimes_beyond_two_lengths_pass_a_short_fuzz(gpu_family):
+    """The pool's specs of packed documents (both ways), position offsets and block states, alone:
+    more cases each than the whole pool's short fuzz gives them."""
+    runner = KernelRunner()
+    specs = [spec for spec in family_specs(gpu_family, runner)
+             if is_packed(spec) or "kv_offset" in spec.mask or spec.mask.startswith("block_mask_state[")]
+    assert len(specs) >= 6 + 4 * (gpu_family == "fwd_sm90"), [spec.mask for spec in specs]
+    outcome = search(specs, runner, examples=400, seed=1, limits=LIMITS)
+    assert outcome.failure is None, outcome.failure.describe()
+    assert set(outcome.kernels) == {runner.kernel_name(s) for s in specs}
 
 
 def test_fault_changes_exactly_the_cases_with_a_partial_last_key_tile(gpu_family):

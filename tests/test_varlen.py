@@ -92,6 +92,25 @@ def test_tokens_past_the_last_sequence_see_nothing():
     assert_same((out[:8], lse[:, :8]), want)
 
 
+@pytest.mark.parametrize("sink", [None, "sinks[h]", "sinks[h] + 0.1 * q_idx - 0.05 * q_len"])
+def test_rows_outside_every_sequence_are_a_sequence_without_keys(sink):
+    """Rows before cu_seqlens_q[0] and from cu_seqlens_q[-1] on see no key: 0 and -inf, or the sink's
+    logit at their position in their run of rows (as the kernels tiling per sequence give them),
+    the same through the document mask and one sequence at a time."""
+    q, k, v, _, _, inputs = packed([12], [12], seed=5)
+    cu_q, cu_k = torch.tensor([3, 6, 9], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
+    args = (q, k, v, cu_q, cu_k, "causal", None, sink, inputs)
+    got, want = lowered_reference(*args), per_sequence(*args)
+    assert_same(got, want)
+    outside = torch.tensor([0, 1, 2, 9, 10, 11])
+    assert not got[0][outside].any()
+    assert torch.isinf(got[1][:, outside]).all() == (sink is None)
+    if sink is not None:  # rows 0..2 and 9..11 are positions 0..2 of a run of 3 rows
+        assert torch.allclose(got[1][:, outside[:3]], got[1][:, outside[3:]])
+    arrays = varlen.varlen_inputs(*varlen.lowered("causal", None, "sinks[h] + q_idx"), q, k, cu_q, cu_k)
+    assert arrays["varlen_qposf"].tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2]
+
+
 def test_the_call_hands_attention_the_packed_problem_and_unpacks_its_result(monkeypatch):
     q, k, v, cu_q, cu_k, inputs = packed([5, 7], [5, 7])
     seen = {}

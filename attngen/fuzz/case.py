@@ -27,11 +27,18 @@ registered family's configs on every known target). What that catches:
     last in storage order lands in the next (batch, head)'s finite data, and is caught only if
     that moves the result beyond the bound.
 The inputs themselves are drawn on the CPU from the seed, so the guards do not change them.
+
+A packed case (`documents`) holds sequences packed end to end in one batch row, as
+attention_varlen lays them out (attngen/varlen.py): for a spec with `varlen` set (kernels that
+tile per sequence), or one whose expressions read attention_varlen's per-token arrays (the
+document mask it lowers a call to). The documents are part of the case, not drawn from the seed,
+so hypothesis shrinks them (fewer, shorter sequences) and a reproducer records them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -62,6 +69,10 @@ class FuzzCase:
     # None: the spec's scale. Otherwise passed to the kernel call (only when the spec sets none).
     softmax_scale: float | None = None
     data_seed: int = 0
+    # Packed cases only (module docstring): each sequence's (query rows, keys), in order; the
+    # cu_seqlens are their running sums. Rows past the last sequence (seq_q above the sum) belong
+    # to none and must come back 0 / -inf; keys past it (seq_k above the sum) are never visible.
+    documents: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         # Cases also come from hand-editable reproducer files: every field is checked here.
@@ -81,6 +92,33 @@ class FuzzCase:
                              "float > 0 when the spec sets no softmax_scale")
         if isinstance(self.data_seed, bool) or not isinstance(self.data_seed, int) or not 0 <= self.data_seed <= MAX_SEED:
             raise ValueError(f"data_seed={self.data_seed!r} is invalid; allowed: an integer in [0, 2**63 - 1]")
+        self._check_documents()
+
+    def _check_documents(self) -> None:
+        documents = self.documents
+        if not is_packed(self.spec):
+            if documents != ():
+                raise ValueError(f"documents={documents!r} is invalid for a spec whose kernels read no sequence "
+                                 "boundaries; allowed: () (a spec with varlen set, or reading attention_varlen's "
+                                 "per-token arrays, takes documents)")
+            return
+        pairs = isinstance(documents, tuple) and all(
+            isinstance(d, tuple) and len(d) == 2 and all(type(n) is int and n >= 0 for n in d) for d in documents)
+        if not pairs or not documents:
+            raise ValueError(f"documents={documents!r} is invalid; allowed: a non-empty tuple of (query rows, keys) "
+                             "pairs of integers >= 0")
+        if self.batch != 1:
+            raise ValueError(f"batch={self.batch} is invalid for packed documents; allowed: 1 (every sequence is "
+                             "packed into one batch row)")
+        for name, total, index in (("seq_q", self.seq_q, 0), ("seq_k", self.seq_k, 1)):
+            packed = sum(d[index] for d in documents)
+            if total < packed:
+                raise ValueError(f"{name}={total} is invalid: the documents pack {packed}; allowed: at least that")
+
+    @property
+    def cu_seqlens(self) -> tuple[list[int], list[int]]:
+        """cu_seqlens_q and cu_seqlens_k of a packed case: the running sums of its documents."""
+        return tuple([0, *itertools.accumulate(d[i] for d in self.documents)] for i in (0, 1))
 
     @property
     def heads_q(self) -> int:
@@ -109,8 +147,25 @@ class FuzzCase:
 
     def label(self) -> str:
         scale = "" if self.softmax_scale is None else f" softmax_scale={self.softmax_scale:g}"
-        return (f"B={self.batch} Sq={self.seq_q} Sk={self.seq_k} Hq={self.heads_q} Hkv={self.heads_kv} "
+        documents = f" documents={_documents_label(self.documents)}" if self.documents else ""
+        return (f"B={self.batch} Sq={self.seq_q} Sk={self.seq_k} Hq={self.heads_q} Hkv={self.heads_kv}{documents} "
                 f"{self.layout} logits~{self.logit_scale:g}^2{scale} seed={self.data_seed}")
+
+
+def _documents_label(documents, shown: int = 6) -> str:
+    """'[(3, 3), (0, 2)]', or the first `shown` of many and how many more."""
+    pairs = ", ".join(f"({q}, {k})" for q, k in documents[:shown])
+    more = f", ... {len(documents) - shown} more" if len(documents) > shown else ""
+    return f"[{pairs}{more}]"
+
+
+def is_packed(spec: AttentionSpec) -> bool:
+    """Whether the spec's kernels read sequence boundaries: cu_seqlens (varlen set) or attention_varlen's
+    per-token arrays (its document mask)."""
+    from attngen.families.base import problem_inputs
+    from attngen.varlen import RESERVED
+
+    return bool(spec.varlen) or any(d.name in RESERVED for d in problem_inputs(spec.problem))
 
 
 def _positive_finite(x) -> bool:
@@ -236,11 +291,31 @@ def make_inputs(case: FuzzCase, device) -> list[Poisoned]:
 
 # Runtime inputs (attngen/runtime_inputs.py) of a spec whose mask or score modifier reads tensors.
 # Drawn from the case's seed like q, k, v; each dim just large enough for every index the
-# expressions compute over the case. An int input (a mask's: document ids, limits) is a random
-# non-decreasing run of small ids along its last dim, so consecutive positions share ids as packed
-# documents do, with runs of length 1 and ids skipped; a float input (a modifier's: slopes, a bias)
-# is uniform in [0, 0.5), which keeps scores no larger than the tolerances assume.
-MAX_ID = 5
+# expressions compute over the case. By what they are:
+#   - an int input indexed by a position (document ids): packed documents, nondecreasing runs of
+#     equal ids along the last dim whose mean length is drawn per tensor, log-uniform from 1 to the
+#     dim's length (one document to all of length 1), an id skipped at one boundary in five (an
+#     empty document);
+#   - FlexAttention block states (attngen/block_sparse.py STATE): hidden, partial and full blocks
+#     (0, 1, 2) in proportions drawn per tensor;
+#   - any other int input, a scalar or indexed by b or h (position offsets, prefix lengths):
+#     a third of the time 0, else uniform in [0, L] or in [-L, 2L], L the longer length, so offsets
+#     shift whole rows out of sight and back;
+#   - a float input (a modifier's: slopes, a bias, sinks): uniform in [0, 0.5), which keeps scores
+#     no larger than the tolerances assume;
+#   - a packed case's boundaries: cu_seqlens_q / cu_seqlens_k from its documents, and the per-token
+#     arrays of attention_varlen's document mask built from them by attngen/varlen.py itself.
+DOCUMENT_SKIP = 0.2  # how often a document boundary skips an id
+
+
+def _positional(problem) -> set[str]:
+    """The inputs some read of which is indexed by an expression of q_idx or kv_idx."""
+    from attngen.families.base import problem_programs
+    from attngen.maskc.ir import depends_on
+    from attngen.runtime_inputs import index_nodes
+
+    return {name for _, program in problem_programs(problem) for name, _, node in index_nodes(program)
+            if depends_on(node, "q_idx") or depends_on(node, "kv_idx")}
 
 
 def input_shapes(case: FuzzCase) -> dict[str, tuple[int, ...]]:
@@ -264,24 +339,68 @@ def input_shapes(case: FuzzCase) -> dict[str, tuple[int, ...]]:
             if bound is None or bound[0] < 0:
                 raise ValueError(f"the fuzzer cannot size input {name!r}: index {dim} takes values {bound} over the case")
             shapes[name][dim] = max(shapes[name][dim], bound[1] + 1)
+    if case.documents:
+        shapes.update({name: tuple(t.shape) for name, t in _packed_inputs(case).items()})
     return {name: tuple(shape) for name, shape in shapes.items()}
+
+
+def _packed_inputs(case: FuzzCase) -> dict[str, torch.Tensor]:
+    """A packed case's cu_seqlens and the per-token arrays its expressions read, on the CPU."""
+    from attngen.varlen import CU_SEQLENS, varlen_inputs
+
+    cu_q, cu_k = (torch.tensor(cu, dtype=torch.int32) for cu in case.cu_seqlens)
+    spec = case.spec
+    arrays = varlen_inputs(spec.mask, spec.score_mod, spec.sink, torch.empty(case.seq_q), torch.empty(case.seq_k),
+                           cu_q, cu_k)
+    if spec.varlen:
+        arrays.update(zip(sorted(CU_SEQLENS), (cu_k, cu_q)))
+    return arrays
+
+
+def _document_ids(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    length = shape[-1]
+    mean = math.exp(float(torch.rand((), generator=gen)) * math.log(length)) if length > 1 else 1.0
+    boundary = (torch.rand(shape, generator=gen) < 1.0 / mean).to(torch.int32)
+    skip = (torch.rand(shape, generator=gen) < DOCUMENT_SKIP).to(torch.int32)
+    return torch.cumsum(boundary * (1 + skip), dim=-1, dtype=torch.int32)
+
+
+def _block_states(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    weights = torch.rand(3, generator=gen) + 0.05  # hidden, partial, full: every kind possible
+    states = torch.multinomial(weights, math.prod(shape), replacement=True, generator=gen)
+    return states.view(shape).to(torch.int32)
+
+
+def _thresholds(shape: tuple[int, ...], gen: torch.Generator, longest: int) -> torch.Tensor:
+    which = int(torch.randint(0, 3, (), generator=gen))
+    if which == 0:
+        return torch.zeros(shape, dtype=torch.int32)
+    low, high = (0, longest) if which == 1 else (-longest, 2 * longest)
+    return torch.randint(low, high + 1, shape, generator=gen, dtype=torch.int32)
 
 
 def host_runtime_inputs(case: FuzzCase) -> dict[str, torch.Tensor]:
     """The case's runtime inputs on the CPU, by name: a pure function of the case."""
+    from attngen.block_sparse import STATE
     from attngen.families.base import problem_inputs
 
     shapes = input_shapes(case)
+    packed = _packed_inputs(case) if case.documents else {}
+    positional = _positional(case.spec.problem)
     gen = torch.Generator().manual_seed(case.data_seed ^ 0x5EED)  # q, k, v keep their own stream
     inputs = {}
     for d in problem_inputs(case.spec.problem):
         shape = shapes[d.name]
-        if d.kind == "mask":
-            steps = torch.randint(0, 3, shape, generator=gen, dtype=torch.int32) * (torch.rand(shape, generator=gen) < 0.15)
-            values = torch.cumsum(steps, dim=-1, dtype=torch.int32) if shape else steps
-            inputs[d.name] = values.clamp_(max=MAX_ID).to(torch.int32)
-        else:
+        if d.name in packed:
+            inputs[d.name] = packed[d.name]
+        elif d.kind != "mask":
             inputs[d.name] = torch.rand(shape, generator=gen) * 0.5
+        elif d.name == STATE:
+            inputs[d.name] = _block_states(shape, gen)
+        elif d.name in positional:
+            inputs[d.name] = _document_ids(shape, gen)
+        else:
+            inputs[d.name] = _thresholds(shape, gen, max(case.seq_q, case.seq_k))
     return inputs
 
 
@@ -300,5 +419,5 @@ def input_digest(case: FuzzCase) -> str:
     """sha256 of the case's input bytes: a replay checks it regenerated the same data."""
     digest = hashlib.sha256()
     for t in (*host_inputs(case), *host_runtime_inputs(case).values()):
-        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # a 0-d offset too
     return digest.hexdigest()

@@ -2,7 +2,8 @@
 
 The built-in pool for a target (the GPU the runner compiles for):
   - for each problem of PROBLEMS (every head dim, both dtypes, none, causal and compiled masks,
-    GQA ratios 1, 2 and 4, an explicit softmax_scale) and each registered family that supports it on the target, a
+    position offsets, block sparsity, packed sequences both ways, GQA ratios 1 to 8, an explicit
+    softmax_scale) and each registered family that supports it on the target, a
     spec pinned to that family, with the family's default config;
   - EXTRA_CONFIGS non-default configs per family, on problems spread over PROBLEMS, each taken
     from family.configs() among those the family plans on the target: the one that adds the most
@@ -13,8 +14,9 @@ Every spec file in specs/ has its problem in PROBLEMS, so the kernels the spec f
 the pool too (tests/test_fuzz_pool.py checks). A compile costs seconds, so the pool is small and
 fixed; hypothesis shrinks towards its first spec, a problem without a mask.
 
-Random specs (`--random-specs`): a random problem, a random family that supports it on the
-target, and three times in four a random config of that family that plans on the target.
+Random specs (`--random-specs`): a random problem (one in five packed, where its mask and
+modifier allow), a random family that supports it on the target, and three times in four a random
+config of that family that plans on the target.
 """
 
 from __future__ import annotations
@@ -22,12 +24,18 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from attngen import families
+from attngen import block_sparse, families, varlen
 from attngen.dtypes import DTYPES
 from attngen.errors import SpecError
 from attngen.families.base import Config, KernelFamily, Plan
 from attngen.spec import HEAD_DIMS, AttentionSpec, Problem
 from attngen.targets import Target
+
+def _document_mask(mask: str, score_mod: str | None = None) -> dict:
+    """The mask and modifier attention_varlen runs packed sequences with where it cannot tile per sequence."""
+    texts = varlen.lowered(mask, score_mod, None)
+    return {"mask": texts[0], "score_mod": texts[1]}
+
 
 PROBLEMS = (
     Problem(64, "fp16"),
@@ -54,10 +62,27 @@ PROBLEMS = (
     # Runtime inputs: packed documents under causal, with ALiBi slopes per head.
     Problem(128, "bf16", gqa_ratio=2, mask="doc[b, q_idx] == doc[b, kv_idx] and causal", score_mod="alibi"),
     Problem(64, "bf16", gqa_ratio=8, mask="sliding_window(127, 0)", sink="sinks[h]"),  # gpt-oss's local layers
+    # Context parallelism: a shard of queries against global key positions, offsets as scalar inputs.
+    Problem(128, "bf16", gqa_ratio=2, mask="kv_idx + kv_offset <= q_idx + q_offset"),
+    Problem(64, "fp16", mask="kv_idx + kv_offset <= q_idx + q_offset and q_idx + q_offset - kv_idx - kv_offset < 300",
+            score_mod="softcap(20.0)"),
+    # Block sparsity: FlexAttention BlockMasks as attention(block_mask=) lowers them, blocks of one
+    # tile (partial blocks apply the element mask alone) and of sizes no tile divides.
+    Problem(128, "bf16", gqa_ratio=2, mask=block_sparse.lowered("causal", 128, 128, True, True)),
+    Problem(64, "fp16", mask=block_sparse.lowered("none", 96, 80, False, True)),
+    # Packed sequences: kernels tiling each sequence on its own (varlen), and the document mask
+    # attention_varlen lowers a call to elsewhere.
+    Problem(128, "bf16", gqa_ratio=4, mask="causal", varlen=True),
+    Problem(64, "fp16", gqa_ratio=2, mask="sliding_window(100, 20)", score_mod="alibi", sink="sinks[h]", varlen=True),
+    Problem(256, "bf16", mask="chunked(200) and causal", score_mod="softcap(30.0)", varlen=True),
+    Problem(96, "bf16", gqa_ratio=2, mask="none", varlen=True),
+    Problem(128, "fp16", gqa_ratio=2, **_document_mask("causal", "alibi")),
+    Problem(64, "bf16", **_document_mask("sliding_window(64, 0)", "softcap(20.0)")),
 )
 EXTRA_CONFIGS = 3  # non-default configs per family
 RANDOM_GQA_RATIOS = (1, 2, 3, 4, 8)
 RANDOM_SOFTMAX_SCALES = (0.03125, 0.1, 0.5)
+RANDOM_VARLEN = 0.2  # how often a random problem that can be packed is (on families tiling per sequence)
 RANDOM_TRIES = 10_000  # draws before random_spec gives up on a target no family can run anything on
 
 
@@ -130,6 +155,11 @@ def random_mask(rng: random.Random) -> str:
         lambda: f"causal and sliding_window({rng.randint(0, 300)}, 0)",
         lambda: f"chunked({rng.randint(1, 300)}) and causal",
         lambda: f"kv_idx % {rng.randint(1, 9)} != {rng.randint(0, 3)} or q_idx < {rng.randint(0, 50)}",
+        lambda: f"kv_idx + kv_offset <= q_idx + q_offset{rng.choice(('', f' + {rng.randint(0, 200)}'))}",
+        lambda: block_sparse.lowered(rng.choice(("none", "causal", f"sliding_window({rng.randint(0, 300)}, 0)")),
+                                     rng.choice((64, 128, 256, rng.randint(1, 300))),
+                                     rng.choice((64, 128, 256, rng.randint(1, 300))), rng.random() < 0.5,
+                                     rng.random() < 0.5),
     ]
     return choices[0]() if rng.random() < 0.5 else rng.choice(choices[1:])()
 
@@ -151,6 +181,8 @@ def random_spec(rng: random.Random, target: Target) -> AttentionSpec:
                           gqa_ratio=rng.choice(RANDOM_GQA_RATIOS), mask=random_mask(rng),
                           softmax_scale=rng.choice(RANDOM_SOFTMAX_SCALES) if rng.random() < 0.25 else None,
                           score_mod=random_score_mod(rng) if rng.random() < 0.25 else None)
+        if rng.random() < RANDOM_VARLEN and varlen.native_reason(problem) is None:
+            problem = dataclasses.replace(problem, varlen=True)
         supporting = families.supporting(problem, target)
         if not supporting:
             continue

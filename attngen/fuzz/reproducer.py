@@ -4,7 +4,7 @@ A reproducer is a directory of two files:
   spec.yaml   the spec (AttentionSpec.to_dict(): its family and config when it pins them),
               readable by attngen.load_spec
   case.json   shape, layout and strides, dtype, scale, the data seed (and a digest of the data it
-              gives), the kernel (the plan's name: family, problem, config and target), the
+              gives), a packed case's documents, the kernel (the plan's name: family, problem, config and target), the
               injected fault if any, the failure, and where it was written: attngen and torch
               versions, the exact compile target, GPU and NVRTC
 `attngen fuzz --replay DIR` regenerates the inputs from the seed, runs that one case and exits
@@ -39,7 +39,8 @@ from attngen.specfile import load_spec
 
 # 2: the machine it was written on; guard rows in the padded layout's strides. 3: kernel families:
 # spec.yaml may pin a family and config, the machine is the exact compile target (no arch family).
-FORMAT = 3
+# 4: packed documents; runtime inputs drawn by what they are (attngen/fuzz/case.py).
+FORMAT = 4
 SPEC_FILE = "spec.yaml"
 CASE_FILE = "case.json"
 
@@ -59,6 +60,7 @@ def case_record(case: FuzzCase) -> dict:
         "softmax_scale": case.softmax_scale,
         "effective_scale": case.scale,
         "data": {"seed": case.data_seed, "logit_scale": case.logit_scale},
+        "documents": [list(d) for d in case.documents],
     }
 
 
@@ -141,7 +143,8 @@ def _case_from_record(record: dict, spec) -> FuzzCase:
     shape, data = record["shape"], record["data"]
     case = FuzzCase(spec, batch=shape["batch"], seq_q=shape["seq_q"], seq_k=shape["seq_k"], heads_kv=shape["heads_kv"],
                     layout=record["layout"]["name"], logit_scale=data["logit_scale"],
-                    softmax_scale=record["softmax_scale"], data_seed=data["seed"])
+                    softmax_scale=record["softmax_scale"], data_seed=data["seed"],
+                    documents=_documents(record["documents"]))
     # Every derived field must agree with spec.yaml and the fields the case was built from: an edited
     # file would otherwise replay another case than the one it describes.
     for name, actual in _leaves(case_record(case)):
@@ -150,6 +153,13 @@ def _case_from_record(record: dict, spec) -> FuzzCase:
             raise ValueError(f"{name}={recorded!r} disagrees with {SPEC_FILE} and the case's other fields (was the "
                              f"file edited?); allowed: {actual!r}")
     return case
+
+
+def _documents(value) -> tuple:
+    """case.json's documents, [[rows, keys], ...], as FuzzCase takes them (which checks the values)."""
+    if not isinstance(value, list) or not all(isinstance(d, list) for d in value):
+        raise ValueError(f"documents={value!r} is invalid; allowed: a list of [rows, keys] lists")
+    return tuple(tuple(d) for d in value)
 
 
 def _leaves(record: dict, prefix: str = ""):

@@ -8,6 +8,15 @@ A case's shape comes from one of several regimes, each aimed at a way kernels go
   single_query        Sq = 1 against up to `max_long_seq_k` keys (decode)
   keys_shorter        Sk < Sq: with causal masks, rows that see no key at all
   many_heads          one batch, up to `max_heads_q_wide` query heads
+  mask_lengths        lengths at the integer constants of the mask (a window's width, a chunk's
+                      size) and one tile past them, +-1: where a block changes from full to partial
+                      to empty (only for masks with such constants)
+Packed specs (attngen/fuzz/case.py is_packed) draw from their own regimes instead, one batch row:
+  documents           up to `max_documents` sequences, each of equal query and key lengths or of
+                      independent ones (more rows than keys: rows that see none under causal),
+                      lengths small, near tile multiples or anything, empty sequences included;
+                      sometimes rows and keys past the last sequence
+  many_documents      up to `max_small_documents` sequences of 0 to 8 tokens each (many tiles)
 Data: q and k scaled so scores reach about +-1e4; contiguous, transposed and padded layouts;
 an explicit softmax_scale. Every length strategy starts with a plain integer range and every
 regime can reach length 1, one batch and one head, so hypothesis shrinks a failure to small
@@ -28,7 +37,7 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 
 from attngen import families, targets
-from attngen.fuzz.case import LAYOUTS, MAX_SEED, FuzzCase, buffer_elements
+from attngen.fuzz.case import LAYOUTS, MAX_SEED, FuzzCase, buffer_elements, is_packed
 from attngen.spec import AttentionSpec
 from attngen.targets import Target
 
@@ -54,6 +63,8 @@ class Limits:
     # Per input or output tensor: its NaN-poisoned buffer (guards and padding included, attngen.fuzz.case),
     # which also bounds the B * S * H * D values drawn on the CPU.
     max_input_elements: int = 2**25
+    max_documents: int = 40  # the documents regime
+    max_small_documents: int = 300  # the many_documents regime (the reference runs one sequence at a time)
 
     def up_to(self, max_seq: int) -> "Limits":
         """These limits with a shorter longest length (a single query then sees up to 4x as many keys)."""
@@ -64,10 +75,7 @@ class Limits:
 
 DEFAULT_LIMITS = Limits()
 
-# Masks that need more than two lengths add regimes here. A document mask would register one that
-# draws document lengths (empty and length-1 documents included) and adds them to FuzzCase and
-# make_inputs; "none" and "causal" need nothing beyond the regimes above.
-MASK_REGIMES: dict[str, tuple] = {}
+SMALL_DOCUMENT = 8  # the many_documents regime's longest sequence
 
 
 def fuzz_cases(specs, limits: Limits = DEFAULT_LIMITS, target: Target | None = None) -> st.SearchStrategy[FuzzCase]:
@@ -91,7 +99,12 @@ def first_cases(specs, limits: Limits = DEFAULT_LIMITS, target: Target | None = 
     for spec in specs:
         plan = families.plan_spec(spec, target)
         seq_q, seq_k = (min(block + 1, limits.max_seq) for block in (plan.block_m, plan.block_n))
-        cases.append(FuzzCase(spec, batch=1, seq_q=seq_q, seq_k=seq_k, heads_kv=2, layout="padded"))
+        documents = ()
+        if is_packed(spec):  # and beside it an empty sequence, one without keys, one of a single token
+            documents = ((seq_q, seq_k), (0, 0), (3, 0), (1, 1))
+            seq_q, seq_k = seq_q + 5, seq_k + 1  # and a row past the last sequence
+        cases.append(FuzzCase(spec, batch=1, seq_q=seq_q, seq_k=seq_k, heads_kv=2, layout="padded",
+                              documents=documents))
     return cases
 
 
@@ -114,8 +127,22 @@ def shapes(spec: AttentionSpec, limits: Limits, target: Target) -> st.SearchStra
     """{batch, seq_q, seq_k, heads_kv} from one of the regimes (module docstring), for the tiles of
     the spec's plan on `target` (the kernel the runner compiles)."""
     plan = families.plan_spec(spec, target)
-    regimes = (_general, _single_query, _keys_shorter, _many_heads, *MASK_REGIMES.get(spec.mask, ()))
+    if is_packed(spec):
+        regimes = (_documents, _many_documents)
+    else:
+        regimes = (_general, _single_query, _keys_shorter, _many_heads)
+        if mask_constants(spec, limits.max_seq):
+            regimes += (_mask_lengths,)
     return st.one_of([regime(spec, plan, limits) for regime in regimes])
+
+
+def mask_constants(spec: AttentionSpec, max_seq: int) -> tuple[int, ...]:
+    """The integer constants >= 2 of the spec's mask up to max_seq: a window's width, a chunk's size."""
+    from attngen.maskc.ir import Const, Type, walk
+    from attngen.masks import get_mask
+
+    return tuple(sorted({n.value for n in walk(get_mask(spec.mask).program.ir)
+                         if isinstance(n, Const) and n.type is Type.INT and 2 <= n.value <= max_seq}))
 
 
 def lengths(max_len: int, block: int) -> st.SearchStrategy[int]:
@@ -175,3 +202,49 @@ def _with_batch_and_heads(draw, spec, limits, seq_q, seq_k) -> dict:
     batch = draw(st.integers(1, max(1, min(limits.max_batch, fits))))
     heads_kv = draw(st.integers(1, max(1, min(limits.max_heads_kv, fits // batch))))
     return dict(batch=batch, seq_q=seq_q, seq_k=seq_k, heads_kv=heads_kv)
+
+
+@st.composite
+def _mask_lengths(draw, spec, plan, limits):
+    near = sorted({n for c in mask_constants(spec, limits.max_seq) for base in (c, c + plan.block_m, c + plan.block_n)
+                   for n in (base - 1, base, base + 1) if 1 <= n <= limits.max_seq})
+    seq_q = draw(st.one_of(st.sampled_from(near), lengths(limits.max_seq, plan.block_m)))
+    seq_k = draw(st.one_of(st.sampled_from(near), lengths(limits.max_seq, plan.block_n)))
+    return _with_batch_and_heads(draw, spec, limits, seq_q, seq_k)
+
+
+def _document_lengths(max_len: int, block: int) -> st.SearchStrategy[int]:
+    return st.one_of(st.integers(0, 3), st.integers(0, min(SMALL_SEQ, max_len)), near_multiples(block, max_len),
+                     st.integers(0, max_len))
+
+
+@st.composite
+def _documents(draw, spec, plan, limits):
+    rows, keys = _document_lengths(limits.max_seq, plan.block_m), _document_lengths(limits.max_seq, plan.block_n)
+    pair = st.one_of(rows.map(lambda n: (n, n)), st.tuples(rows, keys))
+    count = draw(st.one_of(st.integers(1, 4), st.integers(1, limits.max_documents)))
+    return _packed(draw, spec, plan, limits, draw(st.lists(pair, min_size=count, max_size=count)))
+
+
+@st.composite
+def _many_documents(draw, spec, plan, limits):
+    small = st.integers(0, SMALL_DOCUMENT)
+    pair = st.one_of(small.map(lambda n: (n, n)), st.tuples(small, small))
+    count = draw(st.integers(1, limits.max_small_documents))  # a list's own size would stay small
+    return _packed(draw, spec, plan, limits, draw(st.lists(pair, min_size=count, max_size=count)))
+
+
+def _packed(draw, spec, plan, limits, documents) -> dict:
+    """The shape of a packed case: the documents that fit in max_seq rows and keys (at least the
+    first), one batch row, sometimes rows and keys past the last document."""
+    kept, rows, keys = [], 0, 0
+    for q, k in documents:
+        if kept and (rows + q > limits.max_seq or keys + k > limits.max_seq):
+            break
+        kept.append((min(q, limits.max_seq), min(k, limits.max_seq)))
+        rows, keys = rows + kept[-1][0], keys + kept[-1][1]
+    past = st.one_of(st.just(0), st.integers(1, plan.block_m + 1))
+    seq_q, seq_k = max(1, rows + draw(past)), max(1, keys + draw(past))
+    fits = _pairs_that_fit(spec, limits, seq_q, seq_k)
+    heads_kv = draw(st.integers(1, max(1, min(limits.max_heads_kv, fits))))
+    return dict(batch=1, seq_q=seq_q, seq_k=seq_k, heads_kv=heads_kv, documents=tuple(kept))
