@@ -407,8 +407,8 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[64], const u32 (&a)[4], u64 
 //   comes out balanced.
 // - DYNAMIC: a persistent grid whose producer takes each next tile from a counter in global
 //   memory (zeroed by the module's reset kernel before every launch), as the hardware scheduler
-//   would, and hands it to the consumers through shared memory between two named barriers
-//   (TILE_FULL, TILE_EMPTY). Tiles come in sections of heads whose K/V fit in L2 together,
+//   would, and hands it to the consumers through a shared-memory slot guarded by two mbarriers
+//   (tile_full, tile_empty). Tiles come in sections of heads whose K/V fit in L2 together,
 //   longest query blocks first across a section's heads: balanced under any mask.
 // Persistent grids overlap one tile's epilogue with the next one's loads. Warp specialisation:
 // warpgroup 0 is the producer, one thread of which streams Q (Q_BUFFERS deep) and the K/V blocks
@@ -448,9 +448,6 @@ constexpr int DK = HEAD_DIM / 16;                // k16 steps of Q K^T
 constexpr int PK = BLOCK_N / 16;                 // k16 steps of P V
 constexpr int PINGPONG_BARRIER = 1;              // named barriers 1..CONSUMERS: whose turn to issue GEMMs
 constexpr int STORE_BARRIER = 1 + CONSUMERS;     // named barriers after those: one per warpgroup's epilogue
-constexpr int TILE_FULL = 1 + 2 * CONSUMERS;     // DYNAMIC: the producer warp has written the next tile
-constexpr int TILE_EMPTY = 2 + 2 * CONSUMERS;    // DYNAMIC: the consumers have read it
-constexpr int HANDOFF_THREADS = 32 + CONSUMERS * WG_THREADS;
 
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "wgmma shapes");
 static_assert(Q_CHUNK % ALIGN == 0 && KV_CHUNK % ALIGN == 0, "every tile starts on a swizzle-atom boundary");
@@ -458,7 +455,12 @@ static_assert(Q_CHUNK % ALIGN == 0 && KV_CHUNK % ALIGN == 0, "every tile starts 
 struct Pipeline {
     u64 q_full[Q_BUFFERS], q_empty[Q_BUFFERS];
     u64 k_full[NUM_STAGES], k_empty[NUM_STAGES], v_full[NUM_STAGES], v_empty[NUM_STAGES];
-    int tile;  // DYNAMIC: the next tile (past the last: no more work)
+    // DYNAMIC: the next tile (past the last: no more work), written by the producer once tile_empty
+    // says every consumer thread has read the previous one. mbarriers, not named barriers: their
+    // arrive releases the arriving thread's accesses, which racecheck follows (it takes bar.arrive
+    // for no ordering and reported the named-barrier hand-over as a race on every tile).
+    u64 tile_full, tile_empty;
+    int tile;
 };
 
 // Tile t of the order. grid and PAIRS: (batch, head) pairs one after another (the query heads of
@@ -584,7 +586,8 @@ __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
 }
 
 // -- producer: one thread issues every load, tile after tile (DYNAMIC: its whole warp runs the loop,
-// for the named barriers of the tile handoff, and lane 0 issues) ------------------------------------
+// and lane 0 issues: warp-uniform values stay in uniform registers, where the producer's 24 or 32
+// registers a thread cannot hold them all) -------------------------------------------------
 __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ, u32 sK, u32 sV, int tiles) {
     const bool leader = threadIdx.x == 0;
     if (leader) {
@@ -598,9 +601,11 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
     for (int j = 0;; ++j) {
         int next;
         if constexpr (DYNAMIC) {
-            if (j > 0) named_sync(TILE_EMPTY, HANDOFF_THREADS);  // the consumers have read the previous tile
-            if (leader) pipe.tile = t;
-            named_arrive(TILE_FULL, HANDOFF_THREADS);
+            mbar_wait(smem_u32(&pipe.tile_empty), (j & 1) ^ 1);  // the consumers have read the previous tile
+            if (leader) {
+                pipe.tile = t;
+                mbar_arrive(smem_u32(&pipe.tile_full));
+            }
             if (t >= tiles) break;
             int fetched = 0;
             if (leader) fetched = atomicAdd(p.tile_counter, 1);  // its latency hides under this tile's loads
@@ -955,10 +960,10 @@ __device__ __forceinline__ void consume(const Params& p, Pipeline& pipe, u32 sQ,
         const int qb = j % Q_BUFFERS;
         int t;
         if constexpr (DYNAMIC) {
-            named_sync(TILE_FULL, HANDOFF_THREADS);
+            mbar_wait(smem_u32(&pipe.tile_full), j & 1);
             t = pipe.tile;
             if (t >= tiles) break;  // the producer waits for no read of the end
-            named_arrive(TILE_EMPTY, HANDOFF_THREADS);
+            mbar_arrive(smem_u32(&pipe.tile_empty));  // every thread: each releases its own read
         } else {
             t = tile_index(j, tiles);
             if (t >= tiles) break;
@@ -998,6 +1003,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
             mbar_init(smem_u32(&pipe.v_full[s]), 1);
             mbar_init(smem_u32(&pipe.k_empty[s]), CONSUMERS);
             mbar_init(smem_u32(&pipe.v_empty[s]), CONSUMERS);
+        }
+        if constexpr (DYNAMIC) {
+            mbar_init(smem_u32(&pipe.tile_full), 1);
+            mbar_init(smem_u32(&pipe.tile_empty), CONSUMERS * WG_THREADS);
         }
         mbar_init_fence();
     }
