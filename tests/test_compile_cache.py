@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import struct
+import subprocess
 import time
 from pathlib import Path
 
@@ -144,3 +146,38 @@ def test_compile_error_propagates_and_caches_nothing(monkeypatch, tmp_path):
     with pytest.raises(compiler.CompileError, match="boom"):
         compiler.cached_compile("k", "src", "sm_90", OPTS, "v1", failing)
     assert not list(tmp_path.glob("*.cubin"))
+
+
+def _elf_header(phoff: int, phnum: int, shoff: int, shnum: int) -> bytes:
+    header = bytearray(64)
+    header[:5] = b"\x7fELF\x02"
+    struct.pack_into("<QQ", header, 0x20, phoff, shoff)
+    struct.pack_into("<HHHH", header, 0x36, 56, phnum, 64, shnum)
+    return bytes(header)
+
+
+def test_whole_elf_puts_back_the_byte_cupy_drops_and_nothing_else():
+    header = _elf_header(phoff=200, phnum=2, shoff=64, shnum=2)  # program headers end the file at 312
+    whole = header + bytes(312 - len(header))
+    assert compiler.whole_elf(whole[:-1]) == whole
+    assert compiler.whole_elf(whole) == whole
+    assert compiler.whole_elf(whole[:-2]) == whole[:-2]  # not the one-byte loss: left as it came
+    assert compiler.whole_elf(b"not an ELF file") == b"not an ELF file"
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_nvrtc_cubins_are_whole_elf_files_cuobjdump_reads(arch, tmp_path):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from attngen.build import nvcc
+
+    source = 'extern "C" __global__ void attngen_probe(float* x) { x[threadIdx.x] *= 2.0f; }'
+    cubin = compiler.nvrtc_compile(source, "probe", compiler.NVRTC_OPTIONS, arch)
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    assert len(cubin) == max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    cuobjdump = nvcc.find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not found")
+    (tmp_path / "probe.cubin").write_bytes(cubin)
+    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "probe.cubin")], capture_output=True, text=True)
+    assert sass.returncode == 0 and "Function : attngen_probe" in sass.stdout, sass.stderr

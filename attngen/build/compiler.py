@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,9 +99,23 @@ def nvrtc_compile(source: str, name: str, options: tuple[str, ...], arch: str) -
             kept = Path(tempfile.gettempdir()) / f"attngen-failed-{name}.cu"
             kept.write_text(source)
             raise CompileError(f"NVRTC failed to compile {name} for {arch}: {exc}", log, str(kept)) from None
-        return nvrtc.getCUBIN(prog)
+        return whole_elf(nvrtc.getCUBIN(prog))
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def whole_elf(cubin: bytes) -> bytes:
+    """`cubin` with the last byte CuPy's getCUBIN drops (it strips a "trailing NULL" as from a C
+    string) put back, so the file is the ELF its header describes and cuobjdump reads it (the driver
+    loads either). The header gives the length: the section and program header tables end the file,
+    and the dropped byte is the top byte of a 64-bit field of the last entry (an alignment or an
+    entry size), 0. Anything else is returned as it came."""
+    if len(cubin) < 64 or cubin[:5] != b"\x7fELF\x02":  # ELF64 only
+        return cubin
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    size = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return cubin + b"\0" if size == len(cubin) + 1 else cubin
 
 
 def build(plan, source: str | None = None) -> CachedBinary:
