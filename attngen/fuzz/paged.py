@@ -1,0 +1,234 @@
+"""The paged decode regime: random KV caches for attngen.decode, guarded with NaN, held to the
+float64 reference (docs/decode.md has the contract).
+
+A DecodeCase is a spec (a problem the decode family runs), each sequence's cache length, 1 to 16
+new tokens per sequence, the number of splits (None: the kernel's choice) and the cache: paged
+(any page size, pages in shuffled order, a prefix of pages shared with sequence 0, spare pages no
+sequence lists) or contiguous. make_decode_inputs builds it from the case's seed, with NaN wherever
+the kernels must neither read nor let a value into the result:
+  - every slot of a page no sequence lists within its length (the spare pages),
+  - the slots of a listed page past the longest length that uses it (a last page's tail),
+  - a contiguous cache past each sequence's length;
+and the page-table entries past each sequence's pages hold ids the kernels must never follow: -1,
+ids past the cache, a spare page of NaN. A read of any of them shows as NaN or a wrong value.
+
+check_decode_case runs a decode function (attngen.decode, or a stand-in in the CPU tests) and
+holds every sequence's output and LSE to reference.decode_attention within attngen.tolerance's
+per-dtype bounds, as the forward fuzz does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+from attngen import reference, tolerance
+from attngen.fuzz.case import FuzzCase, host_runtime_inputs
+from attngen.fuzz.strategies import LOGIT_SCALES
+from attngen.spec import AttentionSpec
+
+MAX_SEQ_Q = 16  # new tokens per sequence (speculative decoding, chunked-prefill tails)
+PAGE_SIZES = (16, 32, 64, 128, 256)  # the common ones; any other size in 1..256 is drawn too
+MAX_PAGE_SIZE = 256
+GARBAGE_IDS = 3  # past its pages, a table entry is -1, an id past the cache, or a spare (NaN) page
+
+
+@dataclass(frozen=True)
+class DecodeCase:
+    spec: AttentionSpec
+    lengths: tuple[int, ...]  # cache_seqlens, one per sequence
+    seq_q: int
+    heads_kv: int
+    page_size: int | None  # None: a contiguous cache
+    extra_pages: int = 0  # table entries past the longest sequence's pages (contiguous: extra tokens / 64)
+    shared_pages: int = 0  # leading pages every other sequence shares with sequence 0 (paged)
+    spare_pages: int = 1  # pages no sequence lists, all NaN (paged)
+    num_splits: int | None = None
+    logit_scale: float = 1.0  # q and k ~ N(0, logit_scale^2), as in the forward fuzz
+    data_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.lengths):
+            raise ValueError(f"lengths={self.lengths!r} is invalid; allowed: one integer >= 0 per sequence")
+        if not 1 <= self.seq_q <= MAX_SEQ_Q:
+            raise ValueError(f"seq_q={self.seq_q!r} is invalid; allowed: 1 to {MAX_SEQ_Q}")
+        if self.heads_kv < 1:
+            raise ValueError(f"heads_kv={self.heads_kv!r} is invalid; allowed: an integer >= 1")
+        if self.page_size is not None and not 1 <= self.page_size <= MAX_PAGE_SIZE:
+            raise ValueError(f"page_size={self.page_size!r} is invalid; allowed: None (contiguous) or 1 to "
+                             f"{MAX_PAGE_SIZE}")
+        for name in ("extra_pages", "shared_pages"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; allowed: an integer >= 0")
+        if self.spare_pages < 1:
+            raise ValueError(f"spare_pages={self.spare_pages!r} is invalid; allowed: >= 1 (the NaN pages a "
+                             "wild read lands in)")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"num_splits={self.num_splits!r} is invalid; allowed: None or an integer >= 1")
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def heads_q(self) -> int:
+        return self.heads_kv * self.spec.gqa_ratio
+
+    def pages_needed(self, b: int) -> int:
+        return math.ceil(self.lengths[b] / self.page_size)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens a sequence may hold: pages per sequence x page size, or the contiguous length."""
+        if self.page_size is None:
+            return max(max(self.lengths), 1) + 64 * self.extra_pages
+        return (max(max(self.pages_needed(b) for b in range(self.batch)), 1) + self.extra_pages) * self.page_size
+
+    def label(self) -> str:
+        cache = "contiguous" if self.page_size is None else (
+            f"pages of {self.page_size} (+{self.extra_pages} per sequence, {self.shared_pages} shared, "
+            f"{self.spare_pages} spare)")
+        return (f"decode lengths={list(self.lengths)} seq_q={self.seq_q} heads {self.heads_q}/{self.heads_kv} "
+                f"{cache} splits={self.num_splits} logits~{self.logit_scale:g}^2 seed={self.data_seed}")
+
+
+@dataclass
+class DecodeInputs:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cache_seqlens: torch.Tensor
+    page_table: torch.Tensor | None
+    inputs: dict[str, torch.Tensor]
+
+    def to(self, device) -> "DecodeInputs":
+        move = (lambda t: None if t is None else t.to(device))
+        return DecodeInputs(move(self.q), move(self.k_cache), move(self.v_cache), move(self.cache_seqlens),
+                            move(self.page_table), {name: t.to(device) for name, t in self.inputs.items()})
+
+
+def _dtype(spec: AttentionSpec) -> torch.dtype:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
+
+
+def _page_table(case: DecodeCase, gen: torch.Generator) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(table, num_pages, filled): each page's slots in use (the longest length through it)."""
+    needed = [case.pages_needed(b) for b in range(case.batch)]
+    shared = [0] + [min(case.shared_pages, needed[0], n) for n in needed[1:]]
+    owned = sum(n - s for n, s in zip(needed, shared))
+    num_pages = owned + case.spare_pages
+    ids = torch.randperm(num_pages, generator=gen)
+    spare = ids[owned:]
+    per_sequence = case.capacity // case.page_size
+    garbage = torch.stack([torch.full((per_sequence,), -1), torch.full((per_sequence,), num_pages),
+                           spare[torch.randint(0, len(spare), (per_sequence,), generator=gen)]])
+    table = torch.empty(case.batch, per_sequence, dtype=torch.int64)
+    filled = torch.zeros(num_pages, dtype=torch.int64)
+    next_id = 0
+    for b, n in enumerate(needed):
+        kinds = torch.randint(0, GARBAGE_IDS, (per_sequence,), generator=gen)
+        table[b] = garbage[kinds, torch.arange(per_sequence)]
+        table[b, :shared[b]] = table[0, :shared[b]]
+        table[b, shared[b]:n] = ids[next_id:next_id + n - shared[b]]
+        next_id += n - shared[b]
+        slots = (case.lengths[b] - torch.arange(n) * case.page_size).clamp(max=case.page_size)
+        filled.scatter_reduce_(0, table[b, :n], slots, "amax")
+    return table.to(torch.int32), num_pages, filled
+
+
+def make_decode_inputs(case: DecodeCase) -> DecodeInputs:
+    """The case's tensors on the CPU (module docstring): a pure function of the case."""
+    gen = torch.Generator().manual_seed(case.data_seed)
+    dtype, D, Hkv = _dtype(case.spec), case.spec.head_dim, case.heads_kv
+    q = (torch.randn(case.batch, case.seq_q, case.heads_q, D, generator=gen) * case.logit_scale).to(dtype)
+    if case.page_size is None:
+        table = None
+        shape = (case.batch, case.capacity, Hkv, D)
+        unused = torch.arange(case.capacity)[None, :] >= torch.tensor(case.lengths)[:, None]  # (batch, capacity)
+    else:
+        table, num_pages, filled = _page_table(case, gen)
+        shape = (num_pages, case.page_size, Hkv, D)
+        unused = torch.arange(case.page_size)[None, :] >= filled[:, None]  # (pages, slots)
+    k = torch.randn(shape, generator=gen) * case.logit_scale
+    v = torch.randn(shape, generator=gen)
+    k[unused], v[unused] = float("nan"), float("nan")
+    # Runtime inputs (sinks, slopes, offsets ...) as the forward fuzz draws them, over the capacity.
+    proxy = FuzzCase(case.spec, batch=case.batch, seq_q=case.seq_q, seq_k=case.capacity, heads_kv=Hkv,
+                     data_seed=case.data_seed)
+    return DecodeInputs(q, k.to(dtype), v.to(dtype), torch.tensor(case.lengths, dtype=torch.int32), table,
+                        host_runtime_inputs(proxy))
+
+
+def check_decode_case(case: DecodeCase, decode, device) -> str | None:
+    """None when `decode` (attngen.decode's signature) gets every sequence right, else what is wrong."""
+    host = make_decode_inputs(case)
+    x = host.to(device)
+    out, lse = decode(x.q, x.k_cache, x.v_cache, x.cache_seqlens, page_table=x.page_table, spec=case.spec,
+                      num_splits=case.num_splits, inputs=x.inputs or None, return_lse=True)
+    out, lse = out.cpu(), lse.cpu()
+    ref, ref_lse = reference.decode_attention(host.q, host.k_cache, host.v_cache, host.cache_seqlens, case.spec,
+                                              page_table=host.page_table, inputs=host.inputs or None)
+    scale = case.spec.effective_scale
+    for b, length in enumerate(case.lengths):
+        if not out[b].isfinite().all():
+            return f"sequence {b} (length {length}): the output has NaN/Inf"
+        if lse[b].isnan().any():
+            return f"sequence {b} (length {length}): the LSE has NaN"
+        k, v = (reference.gather_cache(t, host.page_table, b, length) for t in (host.k_cache, host.v_cache))
+        bad = tolerance.check_output(out[b:b + 1], ref[b:b + 1], host.q[b:b + 1], k, v, case.spec.dtype, scale) \
+            or tolerance.check_lse(lse[b:b + 1], ref_lse[b:b + 1], host.q[b:b + 1], k, scale)
+        if bad is not None:
+            return f"sequence {b} (length {length}): {bad}"
+    return None
+
+
+def decode_specs(target) -> list[AttentionSpec]:
+    """The built-in pool's problems (attngen/fuzz/pool.py) a decode family runs on `target`, unpinned
+    (attngen.decode picks the family): packed sequences are the forward's."""
+    from attngen import families
+    from attngen.fuzz.case import is_packed
+    from attngen.fuzz.pool import PROBLEMS
+
+    specs = [AttentionSpec(**dataclasses.asdict(problem)) for problem in PROBLEMS if not problem.varlen]
+    return [spec for spec in specs if not is_packed(spec) and any(
+        family.supports(spec.problem, target) is None for family in families.DECODE_FAMILIES.values())]
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """How large cases get; the defaults suit an 80 GB GPU and a float64 reference on the CPU."""
+
+    max_batch: int = 4
+    max_heads_kv: int = 2
+    max_length: int = 131072  # tokens cached in one sequence
+    cache_elements: int = 1 << 23  # sum of lengths x heads_kv x head_dim (one cache's values)
+    max_splits: int = 40
+
+
+@st.composite
+def decode_cases(draw, specs: list[AttentionSpec], limits: DecodeLimits = DecodeLimits()) -> DecodeCase:
+    """Cases over `specs`. Every draw starts with a small range (hypothesis shrinks to short caches,
+    one sequence, one token, a contiguous cache and the kernel's own split count)."""
+    spec = draw(st.sampled_from(specs))
+    batch = draw(st.integers(1, limits.max_batch))
+    heads_kv = draw(st.integers(1, limits.max_heads_kv))
+    page_size = draw(st.one_of(st.none(), st.sampled_from(PAGE_SIZES), st.integers(1, MAX_PAGE_SIZE)))
+    longest = min(limits.max_length, limits.cache_elements // (batch * heads_kv * spec.head_dim))
+    unit = page_size or 64
+    length = st.one_of(
+        st.integers(0, min(300, longest)),
+        st.integers(0, longest // unit).flatmap(lambda n: st.sampled_from([n * unit - 1, n * unit, n * unit + 1])),
+        st.integers(0, longest),
+    ).map(lambda n: max(0, min(n, longest)))
+    lengths = tuple(draw(st.lists(length, min_size=batch, max_size=batch)))
+    paged = page_size is not None
+    return DecodeCase(
+        spec, lengths, seq_q=draw(st.integers(1, MAX_SEQ_Q)), heads_kv=heads_kv, page_size=page_size,
+        extra_pages=draw(st.integers(0, 2)), shared_pages=draw(st.integers(0, 3)) if paged and batch > 1 else 0,
+        spare_pages=draw(st.integers(1, 3)) if paged else 1,
+        num_splits=draw(st.one_of(st.none(), st.integers(1, limits.max_splits))),
+        logit_scale=draw(st.sampled_from(LOGIT_SCALES)), data_seed=draw(st.integers(0, 2**31 - 1)))
