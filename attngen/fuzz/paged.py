@@ -27,6 +27,7 @@ import torch
 from hypothesis import strategies as st
 
 from attngen import reference, tolerance
+from attngen.dtypes import torch_dtype
 from attngen.fuzz.case import FuzzCase, host_runtime_inputs
 from attngen.fuzz.strategies import LOGIT_SCALES
 from attngen.spec import AttentionSpec
@@ -52,23 +53,21 @@ class DecodeCase:
     data_seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.lengths):
-            raise ValueError(f"lengths={self.lengths!r} is invalid; allowed: one integer >= 0 per sequence")
-        if not 1 <= self.seq_q <= MAX_SEQ_Q:
-            raise ValueError(f"seq_q={self.seq_q!r} is invalid; allowed: 1 to {MAX_SEQ_Q}")
-        if self.heads_kv < 1:
-            raise ValueError(f"heads_kv={self.heads_kv!r} is invalid; allowed: an integer >= 1")
-        if self.page_size is not None and not 1 <= self.page_size <= MAX_PAGE_SIZE:
-            raise ValueError(f"page_size={self.page_size!r} is invalid; allowed: None (contiguous) or 1 to "
-                             f"{MAX_PAGE_SIZE}")
-        for name in ("extra_pages", "shared_pages"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; allowed: an integer >= 0")
-        if self.spare_pages < 1:
-            raise ValueError(f"spare_pages={self.spare_pages!r} is invalid; allowed: >= 1 (the NaN pages a "
-                             "wild read lands in)")
-        if self.num_splits is not None and self.num_splits < 1:
-            raise ValueError(f"num_splits={self.num_splits!r} is invalid; allowed: None or an integer >= 1")
+        if not isinstance(self.spec, AttentionSpec):
+            raise ValueError(f"spec={self.spec!r} is invalid; allowed: an attngen.AttentionSpec")
+        if not isinstance(self.lengths, tuple) or not self.lengths or not all(_int(n, 0) for n in self.lengths):
+            raise ValueError(f"lengths={self.lengths!r} is invalid; allowed: a tuple of one integer >= 0 per sequence")
+        checks = (("seq_q", 1, MAX_SEQ_Q, False, ""), ("heads_kv", 1, None, False, ""),
+                  ("page_size", 1, MAX_PAGE_SIZE, True, "None (contiguous) or "), ("extra_pages", 0, None, False, ""),
+                  ("shared_pages", 0, None, False, ""), ("spare_pages", 1, None, False, " (the NaN pages a wild "
+                                                                                     "read lands in)"),
+                  ("num_splits", 1, None, True, "None or "))
+        for name, low, high, optional, note in checks:
+            value = getattr(self, name)
+            if not (optional and value is None) and not _int(value, low, high):
+                allowed = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
+                prefix, suffix = (note, "") if note.endswith("or ") else ("", note)
+                raise ValueError(f"{name}={value!r} is invalid; allowed: {prefix}{allowed}{suffix}")
 
     @property
     def batch(self) -> int:
@@ -96,6 +95,10 @@ class DecodeCase:
                 f"{cache} splits={self.num_splits} logits~{self.logit_scale:g}^2 seed={self.data_seed}")
 
 
+def _int(value, low: int, high: int | None = None) -> bool:
+    return type(value) is int and value >= low and (high is None or value <= high)
+
+
 @dataclass
 class DecodeInputs:
     q: torch.Tensor
@@ -109,10 +112,6 @@ class DecodeInputs:
         move = (lambda t: None if t is None else t.to(device))
         return DecodeInputs(move(self.q), move(self.k_cache), move(self.v_cache), move(self.cache_seqlens),
                             move(self.page_table), {name: t.to(device) for name, t in self.inputs.items()})
-
-
-def _dtype(spec: AttentionSpec) -> torch.dtype:
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
 
 
 def _page_table(case: DecodeCase, gen: torch.Generator) -> tuple[torch.Tensor, int, torch.Tensor]:
@@ -143,7 +142,7 @@ def _page_table(case: DecodeCase, gen: torch.Generator) -> tuple[torch.Tensor, i
 def make_decode_inputs(case: DecodeCase) -> DecodeInputs:
     """The case's tensors on the CPU (module docstring): a pure function of the case."""
     gen = torch.Generator().manual_seed(case.data_seed)
-    dtype, D, Hkv = _dtype(case.spec), case.spec.head_dim, case.heads_kv
+    dtype, D, Hkv = torch_dtype(case.spec.dtype), case.spec.head_dim, case.heads_kv
     q = (torch.randn(case.batch, case.seq_q, case.heads_q, D, generator=gen) * case.logit_scale).to(dtype)
     if case.page_size is None:
         table = None

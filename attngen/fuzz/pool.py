@@ -31,6 +31,7 @@ from attngen.families.base import Config, KernelFamily, Plan
 from attngen.spec import HEAD_DIMS, AttentionSpec, Problem
 from attngen.targets import Target
 
+
 def _document_mask(mask: str, score_mod: str | None = None) -> dict:
     """The mask and modifier attention_varlen runs packed sequences with where it cannot tile per sequence."""
     texts = varlen.lowered(mask, score_mod, None)
