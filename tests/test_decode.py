@@ -96,6 +96,51 @@ def test_the_combine_takes_one_cta_per_output_row():
     assert combine.grid == (3 * 2 * 8, 1, 1) and combine.block == (COMBINE_THREADS, 1, 1)
 
 
+@pytest.mark.parametrize("page_size, rows", [(64, 64), (16, 16), (256, 64), (8, 8), (96, 32), (100, 0), (4, 0)])
+def test_tma_boxes_stay_inside_a_page_or_fall_back_to_cp_async(page_size, rows):
+    """A box is gcd(block_n, page_size) rows (inside one page), 0 (the cp.async path) below
+    MIN_BOX_ROWS or where TMA cannot describe the cache; a contiguous cache takes whole blocks."""
+    from attngen.families.decode_sm80.family import box_rows
+
+    spec = AttentionSpec(head_dim=128, gqa_ratio=4, family="decode_sm80", config={"loads": "tma"})
+    plan = decode_plan(spec, H100, True)
+    assert plan.tma and plan.block_n == 64 and plan.config.label() == "m16n64w4s3t"
+    pages = paged_call(k=info("k_cache", (10, page_size, 2, 128), ptr=1 << 20),
+                       v=info("v_cache", (10, page_size, 2, 128), ptr=1 << 21))
+    call = DecodeCall(**pages, out=info("out", (2, 1, 8, 128)), lse=info("lse", (2, 8, 1), "float32"),
+                      softmax_scale=0.1)
+    assert box_rows(plan, call) == rows
+    misaligned = DecodeCall(**{**pages, "k": info("k_cache", (10, page_size, 2, 128), ptr=(1 << 20) + 8)},
+                            out=call.out, lse=call.lse, softmax_scale=0.1)
+    assert box_rows(plan, misaligned) == 0
+    strided = DecodeCall(**{**pages, "v": info("v_cache", (10, page_size, 2, 128), ptr=1 << 21,
+                                                strides=(page_size * 2 * 136, 2 * 136, 136, 1))},
+                         out=call.out, lse=call.lse, softmax_scale=0.1)
+    assert box_rows(plan, strided) == rows  # a 272-byte head stride: a multiple of 16 bytes
+    odd = DecodeCall(**{**pages, "v": info("v_cache", (10, page_size, 2, 128), ptr=1 << 21,
+                                           strides=(page_size * 2 * 132, 2 * 132, 132, 1))},
+                     out=call.out, lse=call.lse, softmax_scale=0.1)
+    assert box_rows(plan, odd) == 0  # 264-byte head stride: not a multiple of 16 bytes
+    contiguous = decode_plan(spec, H100, False)
+    flat = DecodeCall(**{**pages, "k": info("k_cache", (2, 320, 2, 128), ptr=1 << 20),
+                         "v": info("v_cache", (2, 320, 2, 128), ptr=1 << 21), "page_table": None},
+                      out=call.out, lse=call.lse, softmax_scale=0.1)
+    assert box_rows(contiguous, flat) == 64
+
+
+def test_tma_config_labels_round_trip_and_need_sm90():
+    from attngen.families.decode_sm80.family import DecodeConfig
+
+    assert DecodeConfig.from_label("m16n64w4s3t") == DecodeConfig(16, 64, 4, 3, "tma")
+    assert DecodeConfig.from_label("m16n64w4s3") == DecodeConfig(16, 64, 4, 3)
+    assert DecodeConfig(16, 128, 4, 2, "tma").label() == "m16n128w4s2t"
+    problem = AttentionSpec(head_dim=128).problem
+    assert not any(c.loads == "tma" for c in FAMILY.configs(problem, targets.target("sm_80")))
+    assert any(c.loads == "tma" for c in FAMILY.configs(problem, H100))
+    with pytest.raises(SpecError, match="config.loads='tma' needs sm_90 or newer"):
+        FAMILY.plan(problem, targets.target("sm_80"), DecodeConfig(16, 64, 4, 2, "tma"))
+
+
 def test_the_forward_front_door_refuses_a_decode_family():
     spec = AttentionSpec(head_dim=128, family="decode_sm80")
     with pytest.raises(SpecError, match="is a decode family, but this call runs a forward family"):

@@ -179,6 +179,29 @@ def test_sm90_binary_is_built_of_wgmma_and_tma(tmp_path, d, mask):
     assert "LDL" not in sass and "STL" not in sass, "local memory traffic in the Hopper kernel"
 
 
+@pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
+@pytest.mark.parametrize("paged", [True, False])
+def test_decode_loads_by_tma_only_where_asked(tmp_path, paged):
+    """config.loads='tma' (sm_90a) builds tensor-map loads on mbarriers with no spills; the cp.async
+    plan of the same problem, for sm_80 and for sm_90a, has none of them."""
+    spec = AttentionSpec(head_dim=128, gqa_ratio=4, mask="causal", family="decode_sm80")
+    family = get_family("decode_sm80")
+    builds = {}
+    for loads, target in (("tma", H100), ("cp_async", H100), ("cp_async", targets.target("sm_80"))):
+        plan = family.plan(spec.problem, target, family.resolve_config(spec.problem, target, {"loads": loads}),
+                           paged=paged)
+        cubin = tmp_path / f"{loads}-{target.name}.cubin"
+        report = nvcc.check_plan(plan, keep_cubin=cubin)
+        assert report.spill_bytes == 0 and report.stack_frame_bytes == 0, report.log
+        builds[(loads, target.name)] = cubin
+    if CUOBJDUMP is None:
+        pytest.skip("cuobjdump not on PATH: the SASS is not checked here (CI installs it)")
+    for (loads, arch), cubin in builds.items():
+        sass = nvcc.sass(cubin)
+        assert ("UTMALDG.4D" in sass) == (loads == "tma"), f"{loads} {arch}"
+        assert ("LDGSTS" in sass) or loads == "tma", f"{loads} {arch}: no cp.async"  # Q always by cp.async
+
+
 def _nvrtc():
     try:
         from attngen.build.compiler import nvrtc_version

@@ -66,12 +66,27 @@ def _q(B, Sq, Hq, D, seed, scale=1.0):
 LENGTHS = [0, 1, 63, 64, 65, 1000, 2049, 4096]
 
 
-@pytest.mark.parametrize("paged, page_size", [(True, 16), (True, 64), (True, 100), (True, 256), (False, None)])
-@pytest.mark.parametrize("num_splits", [None, 1, 3, 16])
-def test_lengths_pages_and_splits_match_the_reference(paged, page_size, num_splits):
+def _loads_spec(loads, **fields):
+    """A decode spec pinned to decode_sm80 loading K/V by `loads` (skipped where this GPU has no TMA)."""
     import torch
 
-    spec = AttentionSpec(head_dim=128, gqa_ratio=4)
+    if loads == "tma" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA loads need sm_90")
+    return AttentionSpec(**fields, family="decode_sm80", config={"loads": loads})
+
+
+LOADS = ["cp_async", "tma"]
+
+
+@pytest.mark.parametrize("paged, page_size", [(True, 16), (True, 64), (True, 100), (True, 256), (True, 8),
+                                              (False, None)])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 16])
+@pytest.mark.parametrize("loads", LOADS)
+def test_lengths_pages_and_splits_match_the_reference(paged, page_size, num_splits, loads):
+    """Page 100 shares 4 rows with a 64-key block: a TMA plan takes cp.async there; page 8: 8 boxes a block."""
+    import torch
+
+    spec = _loads_spec(loads, head_dim=128, gqa_ratio=4)
     B, Hkv, capacity = len(LENGTHS), 2, 4096
     k, v, table = make_cache(B, capacity, Hkv, 128, page_size or 0, seed=1, paged=paged, share_prefix=True)
     lens = torch.tensor(LENGTHS, dtype=torch.int32, device="cuda")
@@ -111,6 +126,35 @@ def test_masks_modifiers_and_sinks_match_the_reference(mask, score_mod, sink, he
             check_decode(spec, q, k, v, lens, table, num_splits=num_splits, inputs=inputs or None)
 
 
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("loads", LOADS)
+def test_nan_past_each_length_never_reaches_the_output(head_dim, loads):
+    """Every cached slot past a sequence's length holds NaN (TMA boxes bring whole pages and blocks,
+    so those V rows must be zeroed before P.V; cp.async never reads them), pages and contiguous,
+    lengths around block and page edges, chosen and forced splits."""
+    import torch
+
+    B, Hkv, capacity, page = 5, 2, 640, 32
+    lens = torch.tensor([1, 31, 65, 333, 640], dtype=torch.int32, device="cuda")
+    spec = _loads_spec(loads, head_dim=head_dim, gqa_ratio=4, mask="causal")
+    for paged in (True, False):
+        k, v, table = make_cache(B, capacity, Hkv, head_dim, page, seed=11, paged=paged)
+        for b in range(B):
+            n = int(lens[b])
+            if paged:
+                for j in range(n // page, capacity // page):
+                    first = n - j * page if j == n // page else 0
+                    k[table[b, j], first:] = float("nan")
+                    v[table[b, j], first:] = float("nan")
+            else:
+                k[b, n:] = float("nan")
+                v[b, n:] = float("nan")
+        q = _q(B, 2, 4 * Hkv, head_dim, 12)
+        for num_splits in (None, 1, 4):
+            out, _ = check_decode(spec, q, k, v, lens, table, num_splits=num_splits)
+            assert not out.isnan().any()
+
+
 def test_decode_equals_the_forward_on_the_same_cache():
     """One sequence's decode is the forward kernel's answer on the contiguous cache (bottom-right causal)."""
     import torch
@@ -125,10 +169,11 @@ def test_decode_equals_the_forward_on_the_same_cache():
         assert (out[b:b + 1].float() - fwd.float()).abs().max().item() <= 2 * 2**-8 * (fwd.float().abs().max().item() + 4)
 
 
-def test_bad_lengths_and_page_ids_poison_only_their_sequence():
+@pytest.mark.parametrize("loads", LOADS)
+def test_bad_lengths_and_page_ids_poison_only_their_sequence(loads):
     import torch
 
-    spec = AttentionSpec(head_dim=64, gqa_ratio=2)
+    spec = _loads_spec(loads, head_dim=64, gqa_ratio=2)
     k, v, table = make_cache(4, 256, 1, 64, 64, seed=7)
     table[2, 1] = k.shape[0] + 5  # a page id past the cache, within sequence 2's length
     table[3, 3] = -1  # past sequence 3's length: never read

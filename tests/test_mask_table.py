@@ -44,7 +44,7 @@ def test_plans_build_a_table_for_masks_without_a_closed_form(mask, expected):
 @pytest.fixture(autouse=True)
 def _no_tensor_maps(monkeypatch):
     # fwd_sm90 packs TMA descriptors (cuda-python, absent in CI): opaque bytes here.
-    from attngen.families.fwd_sm90 import tma
+    from attngen.families import tma
 
     monkeypatch.setattr(tma, "encode", lambda *args: bytes(128))
 

@@ -4,8 +4,9 @@ A decode step has a few new query tokens per sequence and reads the whole KV cac
 memory bandwidth, so the kernel's job is to read every cached byte once, with enough bytes in
 flight. One CTA takes one (split, kv head, row tile, sequence): its rows are the kv head's query
 heads times the new tokens (GQA packing), its keys one split's share of the cached blocks, which
-stream through a cp.async ring whose stages are all filled at the start; every warp holds all the
-rows and takes its own keys of each block (flash_decode.cuh). With more than one split a combine
+stream through a ring whose stages are all filled at the start, by cp.async or (config.loads "tma",
+sm_90) by tensor-map boxes; every warp holds all the rows and takes its own keys of each block
+(flash_decode.cuh). With more than one split a combine
 kernel merges the splits' partials through their LSEs. The number of splits is chosen per call
 from the shapes alone (`choose_splits`: no host synchronisation, so a call can be captured in a
 CUDA graph), or given by the caller.
@@ -29,6 +30,7 @@ from typing import Any, Mapping
 
 from attngen.codegen import render as codegen
 from attngen.codegen.abi import Abi, Param
+from attngen.dtypes import get_dtype
 from attngen.errors import SpecError
 from attngen.families.base import (
     MAX_SPLITS,
@@ -40,6 +42,7 @@ from attngen.families.base import (
     Launch,
     problem_inputs,
 )
+from attngen.families import tma
 from attngen.faults import check_fault
 from attngen.masks import get_mask, mask_problem
 from attngen.runtime_inputs import with_inputs
@@ -60,7 +63,11 @@ COMBINE_THREADS = 128  # one output row per combine CTA, its 4 warps sharing the
 MIN_BLOCKS_PER_SPLIT = 2  # shorter splits cost more in partials and combine than they gain
 # A CTA's fixed cost (prologue latency, the warps' merge, its partials), in key blocks' time.
 CTA_FIXED_BLOCKS = 1
-_LABEL = re.compile(r"m(\d+)n(\d+)w(\d+)s(\d+)")
+# How cached rows reach shared memory: cp.async (16 bytes per thread and instruction, sm_80+) or
+# tensor-map boxes on the TMA (sm_90+), completing on a per-stage mbarrier. Label letter "t".
+LOADS = ("cp_async", "tma")
+MIN_BOX_ROWS = 8  # flash_decode.cuh: a paged block's boxes are one per lane of a warp; fewer rows -> cp.async
+_LABEL = re.compile(r"m(\d+)n(\d+)w(\d+)s(\d+)(t?)")
 
 
 @dataclass(frozen=True)
@@ -69,16 +76,18 @@ class DecodeConfig(Config):
     block_n: int  # keys per loaded block
     num_warps: int  # each takes block_n / num_warps keys of every block
     num_stages: int  # K/V pipeline depth
+    loads: str = "cp_async"  # LOADS
 
     def label(self) -> str:
-        return f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+        return (f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+                + ("t" if self.loads == "tma" else ""))
 
     @classmethod
     def from_label(cls, label: str) -> "DecodeConfig":
         match = _LABEL.fullmatch(label)
         if match is None:
-            raise ValueError(f"{label!r} is not a decode_sm80 config label such as m16n64w4s3")
-        return cls(*(int(g) for g in match.groups()))
+            raise ValueError(f"{label!r} is not a decode_sm80 config label such as m16n64w4s3 or m16n64w4s3t")
+        return cls(*(int(g) for g in match.groups()[:4]), "tma" if match.group(5) else "cp_async")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +95,7 @@ class DecodePlan(ForwardPlan):
     num_warps: int
     num_stages: int
     paged: bool  # a paged cache (page table) or a contiguous one
+    tma: bool  # K/V by tensor-map boxes where the call's layout allows (config.loads == "tma")
     threads: int
     smem_bytes: int
     combine_threads: int = COMBINE_THREADS
@@ -96,11 +106,28 @@ class DecodePlan(ForwardPlan):
         return None
 
     def choices(self) -> dict[str, Any]:
-        return {"paged": self.paged, "threads": self.threads, "smem_bytes": self.smem_bytes}
+        return {"paged": self.paged, "tma": self.tma, "threads": self.threads, "smem_bytes": self.smem_bytes}
 
 
-def _the_call(call: DecodeCall) -> DecodeCall:
+def _the_call(call: "DecodeCall | TmaDecodeArgs") -> "DecodeCall | TmaDecodeArgs":
     return call
+
+
+@dataclass(frozen=True)
+class TmaDecodeArgs:
+    """What a TMA plan's launch packs: the call (its fields read through), the K and V caches' tensor
+    maps and the rows of their boxes (0: this call's layout takes the cp.async path)."""
+
+    call: DecodeCall
+    tmap_k: bytes
+    tmap_v: bytes
+    box_rows: int
+
+    def __getattr__(self, name: str):
+        return getattr(self.call, name)
+
+    def input(self, name: str):
+        return self.call.input(name)
 
 
 # The kernels' arguments, once (both kernels take the same struct).
@@ -134,12 +161,34 @@ ARGUMENTS = Abi("DecodeParams", [
 ])
 
 
+# TMA plans add the tensor maps and their box rows (TensorMap: attngen/cuda/hopper.cuh).
+TMA_ARGUMENTS = Abi("DecodeParams", [
+    *ARGUMENTS.params,
+    Param("tmap_k", "TensorMap", "tensor_map", lambda a: a.tmap_k, "K cache, box: 64 columns x box_rows rows"),
+    Param("tmap_v", "TensorMap", "tensor_map", lambda a: a.tmap_v),
+    Param("box_rows", "int", "i32", lambda a: a.box_rows, "rows per box; 0: cp.async for this call"),
+])
+
+
 def smem_bytes(config: DecodeConfig, head_dim: int) -> int:
-    """flash_decode.cuh's SMEM_BYTES: the Q tile and the K/V ring, or the warps' merge if larger."""
-    row_bytes = (head_dim + 8) * 2
-    tiles = row_bytes * (config.block_m + 2 * config.num_stages * config.block_n)
+    """flash_decode.cuh's SMEM_BYTES: the Q tile (padded rows) and the K/V ring (rows of 128-byte
+    sub-tiles), or the warps' merge if larger; with TMA, 1 KB of alignment slack and the mbarriers."""
+    tiles = config.block_m * (head_dim + 8) * 2 + 2 * config.num_stages * config.block_n * 128 * -(-head_dim // 64)
     merge = config.num_warps * config.block_m * (head_dim + 4 + 2) * 4
+    if config.loads == "tma":
+        return 1024 + max(tiles, merge) + -(-8 * config.num_stages // 16) * 16
     return max(tiles, merge)
+
+
+def box_rows(plan: "DecodePlan", call: DecodeCall) -> int:
+    """Rows of a TMA box for this call's cache, or 0 where TMA cannot take it (flash_decode.cuh
+    then copies with cp.async): a box must stay inside one page and describe 16-byte-aligned data."""
+    itemsize = get_dtype(plan.dtype).itemsize
+    for t in (call.k, call.v):
+        if t.ptr % 16 or tma.describable(t.shape, t.strides, itemsize) is not None:
+            return 0
+    rows = math.gcd(plan.block_n, call.page_size) if plan.paged else plan.block_n
+    return rows if rows >= MIN_BOX_ROWS else 0
 
 
 def choose_splits(batch: int, kv_heads: int, row_tiles: int, capacity: int, block_n: int, sms: int,
@@ -164,7 +213,8 @@ class Sm80Decode(KernelFamily):
     operation = "decode"
     description = "Split-KV flash decoding over a paged or contiguous KV cache: mma.sync, GQA packing (sm_80+)"
     folder = FOLDER
-    config_fields = {"block_m": BLOCK_MS, "block_n": BLOCK_NS, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
+    config_fields = {"block_m": BLOCK_MS, "block_n": BLOCK_NS, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES,
+                     "loads": LOADS}
 
     def supports(self, problem: Problem, target: Target) -> str | None:
         if target.cc < 80:
@@ -187,7 +237,8 @@ class Sm80Decode(KernelFamily):
         pinned = dict(pinned or {})
         values = [(pinned[f],) if f in pinned else allowed for f, allowed in self.config_fields.items()]
         return [DecodeConfig(*combo) for combo in itertools.product(*values)
-                if combo[1] // combo[2] >= MIN_WARP_KEYS and combo[0] * problem.head_dim <= MAX_ROWS_TIMES_DIM]
+                if combo[1] // combo[2] >= MIN_WARP_KEYS and combo[0] * problem.head_dim <= MAX_ROWS_TIMES_DIM
+                and (combo[4] != "tma" or target.cc >= 90)]
 
     def default_config(self, problem: Problem, target: Target) -> DecodeConfig:
         for stages in (3, 2):
@@ -209,6 +260,9 @@ class Sm80Decode(KernelFamily):
         if reason is not None:
             raise SpecError(f"family {self.name} cannot run this problem on {target.name}: {reason}", field="family")
         problems = self.check_config(config.to_dict())
+        if config.loads == "tma" and target.cc < 90:
+            problems.append(f"config.loads='tma' needs sm_90 or newer (tensor-map loads), not {target.name}; "
+                            f"allowed there: 'cp_async'")
         if config.block_m * problem.head_dim > MAX_ROWS_TIMES_DIM:
             problems.append(f"config {config.label()}: block_m={config.block_m} rows at head_dim {problem.head_dim} "
                             f"do not fit in registers; allowed: block_m * head_dim <= {MAX_ROWS_TIMES_DIM}")
@@ -220,12 +274,12 @@ class Sm80Decode(KernelFamily):
                             f"{target.smem_per_block} B: lower num_stages or block_n", field="config")
         name = f"{self.plan_name(problem, target, config)}_{'paged' if paged else 'contiguous'}"
         threads = config.num_warps * 32
-        abi = with_inputs(ARGUMENTS, problem_inputs(problem), _the_call)
+        abi = with_inputs(TMA_ARGUMENTS if config.loads == "tma" else ARGUMENTS, problem_inputs(problem), _the_call)
         return DecodePlan(
             family=self.name, name=name, problem=problem, target=target, config=config,
             kernels=(KernelPlan(name, threads, smem, abi), KernelPlan(f"{name}_combine", COMBINE_THREADS, 0, abi)),
             block_m=config.block_m, block_n=config.block_n, num_warps=config.num_warps,
-            num_stages=config.num_stages, paged=paged, threads=threads, smem_bytes=smem, mask=get_mask(problem.mask))
+            num_stages=config.num_stages, paged=paged, tma=config.loads == "tma", threads=threads, smem_bytes=smem, mask=get_mask(problem.mask))
 
     def render(self, plan: DecodePlan) -> str:
         return codegen.render(FOLDER, "decode.cu.j2", plan=plan, abi=plan.kernels[0].abi)
@@ -244,13 +298,21 @@ class Sm80Decode(KernelFamily):
         return 0 if call.num_splits == 1 else 4 * call.partial_rows * (plan.head_dim + 1)
 
     def launches(self, plan: DecodePlan, call: DecodeCall) -> list[Launch]:
-        params = plan.kernels[0].abi.pack(call)
+        params = plan.kernels[0].abi.pack(self._tma_args(plan, call) if plan.tma else call)
         grid = (call.heads_kv * self.row_tiles(plan, call), call.num_splits, call.batch)
         launches = [Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, params)]
         if call.num_splits > 1:
             rows = call.batch * call.seq_q * call.heads_q
             launches.append(Launch(f"{plan.name}_combine", (rows, 1, 1), (COMBINE_THREADS, 1, 1), 0, params))
         return launches
+
+    def _tma_args(self, plan: DecodePlan, call: DecodeCall) -> TmaDecodeArgs:
+        rows = box_rows(plan, call)
+        if not rows:
+            return TmaDecodeArgs(call, bytes(128), bytes(128), 0)
+        dtype = get_dtype(plan.dtype)
+        return TmaDecodeArgs(call, *(tma.encode(dtype.tensor_map_code, t.ptr, t.shape, t.strides, dtype.itemsize, rows)
+                                     for t in (call.k, call.v)), rows)
 
     def estimate(self, plan, report, gpu, shape):
         """Bandwidth-bound: K and V of every cached token read once, then the launches."""

@@ -1,7 +1,8 @@
 // ---- flash_decode.cuh: split-KV decoding over a paged (or contiguous) KV cache, mma.sync ----
 // Needs, from the rendered template: struct DecodeParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
-// NUM_WARPS, NUM_STAGES, GQA_RATIO, PAGED, IS_BF16, elem_t }, namespace mask { Bounds, bounds, visible }
-// (attngen/cuda/mask.cuh.j2) and namespace score { MODIFIED, modify, finish_row } (score_mod.cuh.j2).
+// NUM_WARPS, NUM_STAGES, GQA_RATIO, PAGED, TMA, IS_BF16, elem_t }, namespace mask { Bounds, bounds,
+// visible } (attngen/cuda/mask.cuh.j2), namespace score { MODIFIED, modify, finish_row }
+// (score_mod.cuh.j2), and with TMA hopper.cuh's mbarriers and tensor-map loads.
 //
 // One CTA: one (kv head and row tile, split, sequence). Its BLOCK_M rows are the query heads of the kv
 // head times the new tokens (row r: token r / GQA_RATIO, head kv_head * GQA_RATIO + r % GQA_RATIO),
@@ -9,6 +10,14 @@
 // BLOCK_N / NUM_WARPS keys of each loaded block: the warps' softmax states merge through shared
 // memory at the end. With more than one split, each CTA writes fp32 partials and their LSE to the
 // workspace and the combine kernel merges the splits through their LSEs.
+//
+// K/V blocks sit in shared memory as TMA's 128-byte swizzle lays them out: each row split into
+// 64-column sub-tiles of 128 bytes, a row's 16-byte chunk c stored at chunk c ^ (row % 8), so the
+// ldmatrix reads of 8 rows hit 8 different bank groups. They arrive by cp.async (16 bytes per thread
+// and instruction; the cp.async path writes the swizzle itself) or, with TMA (sm_90), as tensor-map
+// boxes completing on a per-stage mbarrier: a few instructions per block, and bytes in flight not
+// bounded by the SM's load queues. p.box_rows picks per call: 0 for cp.async (a layout TMA cannot
+// describe, pages whose size shares fewer than 8 rows with BLOCK_N), else the box's rows.
 
 namespace fd {
 
@@ -22,21 +31,30 @@ constexpr int NT = WARP_N / 8;                // n8 tiles of S
 constexpr int PK = WARP_N / 16;               // k16 steps of P.V
 constexpr int DT = HEAD_DIM / 8;              // n8 tiles of O
 constexpr int DK = HEAD_DIM / 16;             // k16 steps of Q.K^T
-constexpr int ROW = HEAD_DIM + 8;             // padded smem row (elements): ldmatrix free of bank conflicts
+constexpr int ROW = HEAD_DIM + 8;             // padded Q row (elements): ldmatrix free of bank conflicts
 constexpr int ROW_BYTES = ROW * 2;
 constexpr int CHUNKS = HEAD_DIM / 8;          // 16-byte chunks per row
+constexpr int SUBTILES = (HEAD_DIM + 63) / 64;  // 64-column (128-byte) sub-tiles of a K/V row; d96's last half-empty
+constexpr int SUBTILE_BYTES = BLOCK_N * 128;
 constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
-constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
-constexpr int TILE_BYTES = Q_TILE_BYTES + 2 * NUM_STAGES * KV_TILE_BYTES;
+constexpr int KV_TILE_BYTES = SUBTILES * SUBTILE_BYTES;
+constexpr int RING_BYTES = 2 * NUM_STAGES * KV_TILE_BYTES;
+constexpr int TILE_BYTES = Q_TILE_BYTES + RING_BYTES;
 constexpr int MERGE_ROW = HEAD_DIM + 4;       // fp32 row of one warp's O in the merge
 constexpr int MERGE_BYTES = NUM_WARPS * BLOCK_M * (MERGE_ROW + 2) * 4;
-constexpr int SMEM_BYTES = TILE_BYTES > MERGE_BYTES ? TILE_BYTES : MERGE_BYTES;  // family.py smem_bytes()
+// TMA's swizzle follows address bits, so the ring starts at a 1024-byte boundary (1 KB of slack);
+// the stages' mbarriers sit after both the tiles and the merge (never reused as data).
+constexpr int ALIGN_SLACK = TMA ? 1024 : 0;
+constexpr int BARS_OFFSET = TILE_BYTES > MERGE_BYTES ? TILE_BYTES : MERGE_BYTES;
+constexpr int SMEM_BYTES = ALIGN_SLACK + BARS_OFFSET + (TMA ? (8 * NUM_STAGES + 15) / 16 * 16 : 0);  // family.py smem_bytes()
+constexpr int MIN_BOX_ROWS = 8;               // family.py MIN_BOX_ROWS: at most BLOCK_N / 8 boxes per block
 constexpr float LOG2E = 1.4426950408889634f;
 // Q fragments stay in registers up to d128; at d256 they are re-read from shared memory per k16
 // step, which leaves the registers to O (128 per thread for 16 rows).
 constexpr bool Q_IN_REGS = HEAD_DIM <= 128;
 
 static_assert(WARP_N % 16 == 0, "each warp takes whole k16 steps of keys");
+static_assert(BLOCK_N / MIN_BOX_ROWS <= 32, "a paged block's boxes are one per lane of warp 0");
 static_assert(BLOCK_M % 16 == 0 && HEAD_DIM % 16 == 0 && NUM_STAGES >= 2, "tile shapes");
 
 using Params = DecodeParams;  // generated from the family's argument list (family.py)
@@ -48,10 +66,23 @@ __device__ __forceinline__ int cache_len(const Params& p, int batch) {
     return n >= 0 && n <= p.capacity ? n : -1;
 }
 
-__device__ __forceinline__ void flash_decode(const Params& p) {
+// p.box_rows where the plan loads by TMA (its parameter struct has the tensor maps), else 0.
+template <class P>
+__device__ __forceinline__ int tma_box_rows(const P& p) {
+    if constexpr (TMA) return p.box_rows;
+    else return 0;
+}
+
+// A template so that the TMA branches (`if constexpr (TMA)`), which name the tensor maps, are
+// dropped unchecked from a cp.async plan, whose parameter struct has none.
+template <class P>
+__device__ __forceinline__ void flash_decode(const P& p) {
     extern __shared__ __align__(128) unsigned char smem[];
-    const u32 sQ = smem_u32(smem);
-    const u32 sKV = sQ + Q_TILE_BYTES;  // stage s: K at sKV + 2s*KV, V at sKV + (2s+1)*KV
+    // The ring first (stage s: K at sKV + 2s*KV, V at sKV + (2s+1)*KV), then the Q tile.
+    const u32 sKV = ALIGN_SLACK ? (smem_u32(smem) + ALIGN_SLACK - 1) / ALIGN_SLACK * ALIGN_SLACK : smem_u32(smem);
+    const u32 sQ = sKV + RING_BYTES;
+    const u32 bars = sKV + BARS_OFFSET;  // TMA: one mbarrier per stage, a phase per block it holds
+    const bool tma = tma_box_rows(p) > 0;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
@@ -99,6 +130,7 @@ __device__ __forceinline__ void flash_decode(const Params& p) {
         }
         return true;
     };
+    // cp.async: every thread copies 16-byte chunks into their swizzled places.
     auto load_kv = [&](int it) {
         const int stage = it % NUM_STAGES, n0 = (n_begin + it) * BLOCK_N;
         const u32 dk = sKV + 2 * stage * KV_TILE_BYTES, dv = dk + KV_TILE_BYTES;
@@ -106,15 +138,57 @@ __device__ __forceinline__ void flash_decode(const Params& p) {
         for (int i = 0; i < (BLOCK_N * CHUNKS + THREADS - 1) / THREADS; ++i) {
             const int c = threadIdx.x + i * THREADS;
             if ((BLOCK_N * CHUNKS) % THREADS == 0 || c < BLOCK_N * CHUNKS) {
-                const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+                const int r = c / CHUNKS, chunk = c % CHUNKS;
+                const u32 at = (chunk / 8) * SUBTILE_BYTES + r * 128 + ((chunk % 8) ^ (r % 8)) * 16;
                 i64 k_off, v_off;
                 const bool in = row_offsets(n0 + r, k_off, v_off);
                 // Rows past the cache come back as zeros: never NaN into the tensor cores.
-                cp_async_16(dk + r * ROW_BYTES + col * 2, k_head + k_off + col, in);
-                cp_async_16(dv + r * ROW_BYTES + col * 2, v_head + v_off + col, in);
+                cp_async_16(dk + at, k_head + k_off + chunk * 8, in);
+                cp_async_16(dv + at, v_head + v_off + chunk * 8, in);
             }
         }
         cp_async_commit();
+    };
+    // TMA, issued by warp 0. Contiguous: one box of BLOCK_N rows per sub-tile of K and of V. Paged:
+    // lane j takes the block's j-th run of p.box_rows rows (inside one page, since box_rows divides
+    // the page size and BLOCK_N); `page` is its page id, read one block ahead so the table's latency
+    // stays off the issue path; a run wholly past the length is not issued (its id may be garbage).
+    // Rows past the length inside an issued box land too: the block's wait zeroes V there.
+    auto tma_page = [&](int it) {
+        const int rows = tma_box_rows(p), n = (n_begin + it) * BLOCK_N + lane * rows;
+        if (!PAGED || it >= n_blocks || lane * rows >= BLOCK_N || n >= Sk) return -1;
+        return p.page_table[(i64)batch * p.pt_sb + n / p.page_size];
+    };
+    auto load_kv_tma = [&](int it, int page) {
+      if constexpr (TMA) {
+        const int stage = it % NUM_STAGES, n0 = (n_begin + it) * BLOCK_N;
+        const u32 dk = sKV + 2 * stage * KV_TILE_BYTES, dv = dk + KV_TILE_BYTES, bar = bars + 8 * stage;
+        if constexpr (PAGED) {
+            const int rows = p.box_rows, n = n0 + lane * rows;
+            const bool listed = lane * rows < BLOCK_N && n < Sk;
+            const bool in = listed && (unsigned)page < (unsigned)p.num_pages;
+            bad |= listed && !in;  // a bad page id is never followed: the sequence's rows become NaN
+            const int boxes = __popc(__ballot_sync(0xffffffffu, in));
+            if (lane == 0) mbar_expect_tx(bar, boxes * rows * 128 * SUBTILES * 2);
+            __syncwarp();  // the bytes are announced before any box can complete
+            if (in) {
+                const int slot = n % p.page_size;
+#pragma unroll
+                for (int sub = 0; sub < SUBTILES; ++sub) {
+                    tma_load(dk + sub * SUBTILE_BYTES + lane * rows * 128, &p.tmap_k, bar, sub * 64, slot, kv_head, page);
+                    tma_load(dv + sub * SUBTILE_BYTES + lane * rows * 128, &p.tmap_v, bar, sub * 64, slot, kv_head, page);
+                }
+            }
+        } else {
+            if (lane != 0) return;
+            mbar_expect_tx(bar, KV_TILE_BYTES * 2);  // rows past the capacity count too (zero-filled)
+#pragma unroll
+            for (int sub = 0; sub < SUBTILES; ++sub) {
+                tma_load(dk + sub * SUBTILE_BYTES, &p.tmap_k, bar, sub * 64, n0, kv_head, batch);
+                tma_load(dv + sub * SUBTILE_BYTES, &p.tmap_v, bar, sub * 64, n0, kv_head, batch);
+            }
+        }
+      }
     };
 
     // Q: rows past Sq * GQA_RATIO are zeros (never stored).
@@ -127,10 +201,29 @@ __device__ __forceinline__ void flash_decode(const Params& p) {
     cp_async_commit();
     // Every stage of the ring is filled at once (a split of up to NUM_STAGES blocks requests all of
     // them before the first lands); a stage is refilled once every warp has read its block.
+    int next_page = -1;  // TMA, paged: warp 0's lane's page id for the next block to issue
+    if (tma) {
+        if constexpr (TMA) if (warp == 0) {
+            if (lane == 0) {
 #pragma unroll
-    for (int s = 0; s < NUM_STAGES; ++s) {
-        if (s < n_blocks) load_kv(s);
-        else cp_async_commit();  // empty groups keep the wait counts uniform
+                for (int s = 0; s < NUM_STAGES; ++s) mbar_init(bars + 8 * s, 1);  // lane 0's expect_tx arrives
+                mbar_init_fence();
+            }
+            __syncwarp();
+            int pages[NUM_STAGES];
+#pragma unroll
+            for (int s = 0; s < NUM_STAGES; ++s) pages[s] = tma_page(s);  // all in flight before the first use
+#pragma unroll
+            for (int s = 0; s < NUM_STAGES; ++s)
+                if (s < n_blocks) load_kv_tma(s, pages[s]);
+            next_page = tma_page(NUM_STAGES);
+        }
+    } else {
+#pragma unroll
+        for (int s = 0; s < NUM_STAGES; ++s) {
+            if (s < n_blocks) load_kv(s);
+            else cp_async_commit();  // empty groups keep the wait counts uniform
+        }
     }
 
     // This thread's rows: (m tile, half) -> token and query head; rows past the problem are padding.
@@ -147,8 +240,13 @@ __device__ __forceinline__ void flash_decode(const Params& p) {
         }
 
     const u32 q_lane = (((lane % 8) + 8 * ((lane / 8) % 2)) * ROW + 8 * (lane / 16)) * 2;
-    const u32 k_lane = (((lane % 8) + 8 * (lane / 16)) * ROW + 8 * ((lane / 8) % 2)) * 2;
-    const u32 v_lane = (((lane % 8) + 8 * ((lane / 8) % 2)) * ROW + 8 * (lane / 16)) * 2;
+    // K and V (swizzled): this lane's row of its 8x8 matrix, and the bits its chunk is XOR-ed with (the
+    // row's low 3 bits with the lane's chunk offset folded in: every other term is a multiple of 8 rows
+    // and an even chunk, so chunk ^ row % 8 = even part ^ these bits).
+    const u32 k_lane = ((lane % 8) + 8 * (lane / 16)) * 128;
+    const u32 k_xor = ((lane / 8) % 2) ^ (lane % 8);
+    const u32 v_lane = ((lane % 8) + 8 * ((lane / 8) % 2)) * 128;
+    const u32 v_xor = (lane / 16) ^ (lane % 8);
 
     u32 q_frag[MT][Q_IN_REGS ? DK : 1][4];
     float o_acc[MT][DT][4];
@@ -162,8 +260,9 @@ __device__ __forceinline__ void flash_decode(const Params& p) {
         row_max[mt][0] = row_max[mt][1] = NEG_INF;
         row_sum[mt][0] = row_sum[mt][1] = 0.f;
     }
-    cp_async_wait<NUM_STAGES>();  // Q landed (the groups after it are the ring's blocks)
-    __syncthreads();
+    if (tma) cp_async_wait<0>();  // Q landed
+    else cp_async_wait<NUM_STAGES>();  // Q landed (the groups after it are the ring's blocks)
+    __syncthreads();  // Q, and with TMA the mbarriers' initialisation, visible to every thread
     if constexpr (Q_IN_REGS) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -173,18 +272,43 @@ __device__ __forceinline__ void flash_decode(const Params& p) {
 
 #pragma unroll 1
     for (int it = 0; it < n_blocks; ++it) {
-        // Groups: Q, the ring's first NUM_STAGES blocks, then one per iteration from the second on, so
-        // block `it` is group it + 1 and the groups after it number NUM_STAGES - 1, then - 2.
-        if (it == 0) cp_async_wait<NUM_STAGES - 1>();
-        else cp_async_wait<NUM_STAGES - 2>();
+        const int stage = it % NUM_STAGES;
+        if (tma) {
+          if constexpr (TMA) {
+            mbar_wait(bars + 8 * stage, (it / NUM_STAGES) & 1);
+            // TMA brought whole boxes: V rows past the length (whatever the page holds there, or an
+            // older block's rows where no box was issued) become zeros, as cp.async's are (0 x NaN).
+            const int n0 = (n_begin + it) * BLOCK_N;
+            if (n0 + BLOCK_N > Sk) {
+                const u32 dv = sKV + (2 * stage + 1) * KV_TILE_BYTES;
+                for (int c = threadIdx.x; c < BLOCK_N * 8 * SUBTILES; c += THREADS) {
+                    const int r = c / (8 * SUBTILES);
+                    if (n0 + r >= Sk) st_shared_zero16(dv + (c % (8 * SUBTILES)) / 8 * SUBTILE_BYTES + r * 128 + c % 8 * 16);
+                }
+                fence_async_smem();  // ordered before any later box into this stage
+            }
+          }
+        } else {
+            // Groups: Q, the ring's first NUM_STAGES blocks, then one per iteration from the second on,
+            // so block `it` is group it + 1 and the groups after it number NUM_STAGES - 1, then - 2.
+            if (it == 0) cp_async_wait<NUM_STAGES - 1>();
+            else cp_async_wait<NUM_STAGES - 2>();
+        }
         __syncthreads();  // block `it` landed for every thread; block it - 1's stage has been read
         if (it > 0) {
-            if (it - 1 + NUM_STAGES < n_blocks) load_kv(it - 1 + NUM_STAGES);
-            else cp_async_commit();  // empty groups keep the wait counts uniform
+            if (tma) {
+                if (warp == 0 && it - 1 + NUM_STAGES < n_blocks) {
+                    load_kv_tma(it - 1 + NUM_STAGES, next_page);
+                    next_page = tma_page(it + NUM_STAGES);
+                }
+            } else if (it - 1 + NUM_STAGES < n_blocks) {
+                load_kv(it - 1 + NUM_STAGES);
+            } else {
+                cp_async_commit();  // empty groups keep the wait counts uniform
+            }
         }
 
-        const int stage = it % NUM_STAGES;
-        const u32 sK = sKV + 2 * stage * KV_TILE_BYTES + warp * WARP_N * ROW_BYTES, sV = sK + KV_TILE_BYTES;
+        const u32 sK = sKV + 2 * stage * KV_TILE_BYTES + warp * WARP_N * 128, sV = sK + KV_TILE_BYTES;
         float s_acc[MT][NT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -207,7 +331,7 @@ __device__ __forceinline__ void flash_decode(const Params& p) {
 #pragma unroll
             for (int np = 0; np < NT / 2; ++np) {
                 u32 b[4];
-                ldmatrix_x4(b, sK + k_lane + (np * 16 * ROW + kk * 16) * 2);
+                ldmatrix_x4(b, sK + (kk / 4) * SUBTILE_BYTES + np * 16 * 128 + k_lane + (((kk % 4) * 2) ^ k_xor) * 16);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma_16816<IS_BF16>(s_acc[mt][2 * np], a[mt], b[0], b[1]);
@@ -288,7 +412,7 @@ __device__ __forceinline__ void flash_decode(const Params& p) {
 #pragma unroll
             for (int dp = 0; dp < DT / 2; ++dp) {
                 u32 b[4];
-                ldmatrix_x4_trans(b, sV + v_lane + (kk * 16 * ROW + dp * 16) * 2);
+                ldmatrix_x4_trans(b, sV + (dp / 4) * SUBTILE_BYTES + kk * 16 * 128 + v_lane + (((dp % 4) * 2) ^ v_xor) * 16);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma_16816<IS_BF16>(o_acc[mt][2 * dp], p_frag[mt][kk], b[0], b[1]);

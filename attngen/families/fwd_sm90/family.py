@@ -37,7 +37,7 @@ from attngen.families.base import (
     Launch,
     problem_inputs,
 )
-from attngen.families.fwd_sm90 import tma
+from attngen.families import tma
 from attngen.faults import check_fault
 from attngen.masks import get_mask, mask_problem
 from attngen.runtime_inputs import with_inputs

@@ -1,4 +1,5 @@
-"""Tensor maps (TMA descriptors) for BSHD tensors, encoded on the host with cuda-python.
+"""Tensor maps (TMA descriptors) for BSHD tensors, encoded on the host with cuda-python; the sm_90
+families' loads (fwd_sm90's q, k, v, out; decode_sm80's K/V cache on sm_90) take them.
 
 A (B, S, H, D) tensor with any 16-byte-aligned strides is described as a 4-d tiled map
 (D, S, H, B), innermost first, with a box of 64 columns (128 bytes, the 128-byte swizzle's
@@ -35,7 +36,7 @@ def encode(dtype_code: int, ptr: int, shape: tuple[int, ...], strides: tuple[int
     try:
         from cuda.bindings import driver
     except ImportError as exc:
-        raise MissingDependency('the fwd_sm90 family encodes TMA descriptors with cuda-python: pip install '
+        raise MissingDependency('the sm_90 kernels encode TMA descriptors with cuda-python: pip install '
                                 f'"attngen[cuda13]" (or [cuda12]) ({exc})') from None
     B, S, H, D = shape
     dims = [driver.cuuint64_t(n) for n in (D, S, H, B)]
