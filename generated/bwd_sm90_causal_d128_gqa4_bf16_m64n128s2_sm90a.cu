@@ -133,6 +133,21 @@ __device__ __forceinline__ void tma_store_wait_read() { asm volatile("cp.async.b
 // Ordinary shared-memory stores become visible to the async proxy (TMA, wgmma) after this.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// -- programmatic dependent launch: a kernel launched `early` (attngen/runtime/launch.py) starts
+// while the one before it finishes, and waits here for that one's writes. No-ops before sm_90 and
+// for a kernel launched the ordinary way. --
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+// Lets the next kernel (if launched early) be scheduled once every CTA of this one has said so.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // -- wgmma: warpgroup matrix multiply-accumulate, asynchronous --
 // Order register writes (O rescale, P) before the wgmma that reads them.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

@@ -133,6 +133,21 @@ __device__ __forceinline__ void tma_store_wait_read() { asm volatile("cp.async.b
 // Ordinary shared-memory stores become visible to the async proxy (TMA, wgmma) after this.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// -- programmatic dependent launch: a kernel launched `early` (attngen/runtime/launch.py) starts
+// while the one before it finishes, and waits here for that one's writes. No-ops before sm_90 and
+// for a kernel launched the ordinary way. --
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+// Lets the next kernel (if launched early) be scheduled once every CTA of this one has said so.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // -- wgmma: warpgroup matrix multiply-accumulate, asynchronous --
 // Order register writes (O rescale, P) before the wgmma that reads them.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -406,7 +421,7 @@ __device__ __forceinline__ float finish_row(float max2, float sum, int q, int Sq
 // Needs, from the rendered template: struct DecodeParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
 // NUM_WARPS, NUM_STAGES, GQA_RATIO, PAGED, TMA, IS_BF16, elem_t }, namespace mask { Bounds, bounds,
 // visible } (attngen/cuda/mask.cuh.j2), namespace score { MODIFIED, modify, finish_row }
-// (score_mod.cuh.j2), and with TMA hopper.cuh's mbarriers and tensor-map loads.
+// (score_mod.cuh.j2), and hopper.cuh (mbarriers and tensor-map loads with TMA; the combine's early launch).
 //
 // One CTA: one (kv head and row tile, split, sequence). Its BLOCK_M rows are the query heads of the kv
 // head times the new tokens (row r: token r / GQA_RATIO, head kv_head * GQA_RATIO + r % GQA_RATIO),
@@ -825,6 +840,9 @@ __device__ __forceinline__ void flash_decode(const P& p) {
             }
     }
 
+    // The combine (launched early) may start once every CTA is here: its launch and start-up then run
+    // under this grid's merges and partial stores, without taking SM slots from the key loop.
+    pdl_launch_dependents();
     // Merge the warps: each writes its rows' (max, sum) and unnormalised O to shared memory (the
     // ring, now idle), then every thread finishes 4 columns of one row at a time.
     cp_async_wait<0>();
@@ -896,6 +914,7 @@ __device__ __forceinline__ void combine(const Params& p) {
     const unsigned full = 0xffffffffu;
     __shared__ float merge_acc[COMBINE_WARPS][HEAD_DIM];
     __shared__ float merge_sum[COMBINE_WARPS];
+    pdl_wait();  // launched early (sm_90): the split kernel's partials are complete and visible from here
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const i64 row = blockIdx.x, rows = (i64)p.batch * p.Sq * p.Hq;
     const int head = (int)(row % p.Hq), token = (int)(row / p.Hq % p.Sq), batch = (int)(row / ((i64)p.Hq * p.Sq));

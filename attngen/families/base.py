@@ -335,6 +335,9 @@ class Launch:
     block: tuple[int, int, int]
     smem_bytes: int
     params: bytes  # the kernel's ABI struct, packed
+    # Programmatic dependent launch (sm_90+): the kernel may start while the one before it in the
+    # stream finishes, and waits for that one's results itself (griddepcontrol.wait).
+    early: bool = False
 
 
 class KernelFamily(ABC):

@@ -2,7 +2,10 @@
 
 Launches go straight to the driver (cuLaunchKernel through CuPy's binding) with each kernel's
 one packed parameter struct (attngen/codegen/abi.py): no per-argument conversion, no stream
-or device objects built per call.
+or device objects built per call. A Launch marked `early` (a programmatic dependent launch) goes
+through cuda-python's cuLaunchKernelEx with the programmatic-serialization attribute, its launch
+configuration built once; without cuda-python it is an ordinary launch (the kernel's
+griddepcontrol.wait is then a no-op), so only the overlap is lost.
 """
 
 from __future__ import annotations
@@ -40,17 +43,48 @@ class LoadedModule:
         for launch in launches:
             params = ctypes.create_string_buffer(launch.params, len(launch.params))
             argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+            early = _early_config(launch) if launch.early else None
             bound.append((self._handles[launch.kernel], *launch.grid, *launch.block, launch.smem_bytes,
-                          ctypes.addressof(argv), (params, argv)))
+                          ctypes.addressof(argv), (params, argv, early)))
         return tuple(bound)
 
     def launch_bound(self, bound: tuple, stream: int) -> None:
         """Launch bound launches in order on `stream` (a raw cudaStream_t); the driver copies the
         parameters at once, so a bound launch can be launched again."""
         launch_kernel = self._launch_kernel
-        for handle, gx, gy, gz, bx, by, bz, smem, argv, _ in bound:
-            launch_kernel(handle, gx, gy, gz, bx, by, bz, smem, stream, argv, 0)
+        for handle, gx, gy, gz, bx, by, bz, smem, argv, (_, _, early) in bound:
+            if early is None:
+                launch_kernel(handle, gx, gy, gz, bx, by, bz, smem, stream, argv, 0)
+            else:
+                _launch_early(early, handle, stream, argv)
 
     def launch(self, launches: list[Launch], stream: int) -> None:
         """Launch in order on `stream` (a raw cudaStream_t)."""
         self.launch_bound(self.bind(launches), stream)
+
+
+def _early_config(launch: Launch):
+    """A CUlaunchConfig allowing programmatic serialization for `launch`, or None (an ordinary
+    launch) where cuda-python is missing."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return None
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = launch.grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = launch.block
+    config.sharedMemBytes = launch.smem_bytes
+    config.attrs = [attr]
+    config.numAttrs = 1
+    return driver, config
+
+
+def _launch_early(early, handle: int, stream: int, argv: int) -> None:
+    driver, config = early
+    config.hStream = driver.CUstream(stream)
+    (err,) = driver.cuLaunchKernelEx(config, driver.CUfunction(handle), argv, 0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed: {err}")

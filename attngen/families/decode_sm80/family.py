@@ -303,7 +303,9 @@ class Sm80Decode(KernelFamily):
         launches = [Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, params)]
         if call.num_splits > 1:
             rows = call.batch * call.seq_q * call.heads_q
-            launches.append(Launch(f"{plan.name}_combine", (rows, 1, 1), (COMBINE_THREADS, 1, 1), 0, params))
+            # sm_90: launched early, so its launch and start-up overlap the split kernel's last wave.
+            launches.append(Launch(f"{plan.name}_combine", (rows, 1, 1), (COMBINE_THREADS, 1, 1), 0, params,
+                                   early=plan.target.cc >= 90))
         return launches
 
     def _tma_args(self, plan: DecodePlan, call: DecodeCall) -> TmaDecodeArgs:

@@ -2,7 +2,7 @@
 // Needs, from the rendered template: struct DecodeParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
 // NUM_WARPS, NUM_STAGES, GQA_RATIO, PAGED, TMA, IS_BF16, elem_t }, namespace mask { Bounds, bounds,
 // visible } (attngen/cuda/mask.cuh.j2), namespace score { MODIFIED, modify, finish_row }
-// (score_mod.cuh.j2), and with TMA hopper.cuh's mbarriers and tensor-map loads.
+// (score_mod.cuh.j2), and hopper.cuh (mbarriers and tensor-map loads with TMA; the combine's early launch).
 //
 // One CTA: one (kv head and row tile, split, sequence). Its BLOCK_M rows are the query heads of the kv
 // head times the new tokens (row r: token r / GQA_RATIO, head kv_head * GQA_RATIO + r % GQA_RATIO),
@@ -421,6 +421,9 @@ __device__ __forceinline__ void flash_decode(const P& p) {
             }
     }
 
+    // The combine (launched early) may start once every CTA is here: its launch and start-up then run
+    // under this grid's merges and partial stores, without taking SM slots from the key loop.
+    pdl_launch_dependents();
     // Merge the warps: each writes its rows' (max, sum) and unnormalised O to shared memory (the
     // ring, now idle), then every thread finishes 4 columns of one row at a time.
     cp_async_wait<0>();
@@ -492,6 +495,7 @@ __device__ __forceinline__ void combine(const Params& p) {
     const unsigned full = 0xffffffffu;
     __shared__ float merge_acc[COMBINE_WARPS][HEAD_DIM];
     __shared__ float merge_sum[COMBINE_WARPS];
+    pdl_wait();  // launched early (sm_90): the split kernel's partials are complete and visible from here
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const i64 row = blockIdx.x, rows = (i64)p.batch * p.Sq * p.Hq;
     const int head = (int)(row % p.Hq), token = (int)(row / p.Hq % p.Sq), batch = (int)(row / ((i64)p.Hq * p.Sq));
