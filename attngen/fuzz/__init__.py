@@ -14,6 +14,14 @@ One job per module:
   sanitizer.py   compute-sanitizer (memcheck, racecheck) over a sample of cases, one process each
   report.py      progress (attngen.progress) and summary tables (rich when installed, plain text otherwise)
   command.py     the `attngen fuzz` command
+The paged decode regime (`attngen fuzz --decode`, attngen.decode against KV caches):
+  paged.py              DecodeCase, its NaN-guarded caches and page tables, the check against the reference,
+                        the hypothesis strategy
+  decode_runners.py     the thing under test: attngen.decode on the GPU, or the reference on the CPU
+  decode_check.py       run one decode case, classify the failure (or a harness error)
+  decode_search.py      search.py's search over decode cases; per-kernel stats, the sanitizer's sample
+  decode_reproducer.py  a decode case on disk (case.json of kind "decode"); load and replay it
+  decode_command.py     what --decode does differently: its pool, limits, search and table
 
 Nothing here imports torch or hypothesis at import time, so `attngen --help` needs neither.
 """

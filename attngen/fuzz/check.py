@@ -49,7 +49,7 @@ HARNESS_MEANING = "the harness itself failed (making inputs, the reference or th
 
 @dataclass(frozen=True)
 class CaseResult:
-    case: FuzzCase
+    case: FuzzCase  # or a paged DecodeCase (attngen/fuzz/decode_check.py)
     kernel: str
     seconds: float
     kind: str | None = None  # a FAILURE_KINDS key or HARNESS; None when the case passed

@@ -1,4 +1,6 @@
-"""The `attngen fuzz` command: search, report, write the reproducer; replay; sanitize.
+"""The `attngen fuzz` command: search, report, write the reproducer; replay; sanitize. With
+--decode, the same over attngen.decode's paged decode regime (attngen/fuzz/decode_command.py says
+what differs: a Regime).
 
 Exit status (EXIT_STATUS, also in --help and the README):
   0    every case passed and every sanitizer run was clean
@@ -18,7 +20,7 @@ import secrets
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 import click
 
@@ -30,6 +32,7 @@ DEFAULT_EXAMPLES = 100
 DEFAULT_RANDOM_SPECS = 16
 DEFAULT_SANITIZE_SAMPLE = 20
 DEFAULT_SANITIZE_JOBS = 4
+DEFAULT_DECODE_MAX_LENGTH = 131072  # attngen/fuzz/paged.py DecodeLimits.max_length, not imported for --help
 EXIT_STATUS = ("Exit status: 0 all passed (and sanitizer runs clean); 1 a kernel failure found (a failing case, a "
                "replay that still fails, a sanitizer finding); 2 a usage or harness error (bad arguments or paths, "
                "no GPU, the harness failing on a case, a sanitizer run that checked nothing); 130 interrupted.")
@@ -40,6 +43,13 @@ def make_runner(fault: str | None):
     from attngen.fuzz.runners import KernelRunner
 
     return KernelRunner(fault)
+
+
+def make_decode_runner():
+    """The thing under test with --decode: attngen.decode on this GPU. CPU tests replace this function."""
+    from attngen.fuzz.decode_runners import DecodeKernelRunner
+
+    return DecodeKernelRunner()
 
 
 def _fail_to_start(message: str) -> NoReturn:
@@ -66,8 +76,13 @@ def _status(*statuses: int) -> int:
 @click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
               help="Stop drawing new cases after this long; a failure found in time is still shrunk.")
 @click.option("--max-seq-len", type=click.IntRange(min=2), default=None, metavar="N",
-              help="Longest query/key length to draw (a single query sees up to 4N keys); lower it when the "
-                   "harness runs out of memory. [default: 4200]")
+              help="Longest query/key length to draw (a single query sees up to 4N keys) [default: 4200]; with "
+                   f"--decode, the longest cache [default: {DEFAULT_DECODE_MAX_LENGTH}]. Lower it when the harness "
+                   "runs out of memory.")
+@click.option("--decode", is_flag=True,
+              help="Fuzz attngen.decode instead: new tokens against paged (shuffled, shared, NaN spare pages) and "
+                   "contiguous KV caches (attngen/fuzz/paged.py), over the SPEC files or the pool's problems a "
+                   "decode family runs. Not with --random-specs or --fault.")
 @click.option("--out", "out_dir", default=DEFAULT_OUT, show_default=True,
               type=click.Path(file_okay=False, path_type=Path),
               help="Where reproducers go: OUT/failures/ and, with --sanitize, OUT/sanitize/.")
@@ -84,8 +99,8 @@ def _status(*statuses: int) -> int:
 @click.option("--fault", type=click.Choice(sorted(FAULTS)), default=None,
               help="Run deliberately broken kernels (attngen/faults.py), to check that the fuzzer catches them "
                    "(with --replay: instead of the reproducers' recorded faults, also under --sanitize).")
-def fuzz(specs, random_specs, random_spec_count, examples, seed, time_budget, max_seq_len, out_dir, replays, sanitize,
-         sanitize_sample, sanitize_jobs, fault) -> None:
+def fuzz(specs, random_specs, random_spec_count, examples, seed, time_budget, max_seq_len, decode, out_dir, replays,
+         sanitize, sanitize_sample, sanitize_jobs, fault) -> None:
     """Fuzz the kernels of each SPEC (default: the built-in pool) against the reference.
 
     The built-in pool asks each kernel family what it can run on this GPU: every family that
@@ -95,12 +110,18 @@ def fuzz(specs, random_specs, random_spec_count, examples, seed, time_budget, ma
     Sk < Sq, lengths around tile multiples, fully masked rows, logits near +-1e4, many heads and
     strided inputs. Outputs are NaN-poisoned before every launch. A failure is shrunk to a minimal
     case and written as a reproducer; the command that replays it is printed.
+
+    With --decode: new tokens against KV caches (1-4 sequences, lengths 0 to 128k, 1-16 new tokens,
+    pages of 1-256 tokens or a contiguous cache, forced or chosen splits), NaN wherever a decode
+    must not read; each sequence's output and LSE held to the reference.
     """
     try:
         import hypothesis  # noqa: F401
         import torch  # noqa: F401
     except ImportError as exc:
         _fail_to_start(f"attngen fuzz needs torch and hypothesis (pip install hypothesis); import failed: {exc}")
+    if decode:
+        _refuse_forward_options(random_specs, fault, replays)
     sanitizing = Sanitizing(sanitize_sample, sanitize_jobs) if sanitize else None
     if sanitizing is not None:
         from attngen.fuzz.sanitizer import find_compute_sanitizer
@@ -112,14 +133,59 @@ def fuzz(specs, random_specs, random_spec_count, examples, seed, time_budget, ma
         if specs or random_specs:
             raise click.UsageError("--replay runs reproducers: it takes no SPEC arguments and no --random-specs")
         raise SystemExit(_replay_all(replays, fault, sanitizing))
-    runner = _runner(fault)
+    runner = _decode_runner() if decode else _runner(fault)
     seed = secrets.randbelow(2**32) if seed is None else seed
     try:
-        pool = _spec_pool(specs, random_specs, random_spec_count, seed, runner.target)
+        if decode:
+            from attngen.fuzz.decode_command import decode_pool
+
+            pool = decode_pool(specs, runner.target)
+        else:
+            pool = _spec_pool(specs, random_specs, random_spec_count, seed, runner.target)
     except SpecError as exc:
         raise click.BadParameter(str(exc), param_hint="SPEC") from None
-    raise SystemExit(_fuzz(pool, runner, examples=examples, seed=seed, limits=_limits(max_seq_len),
+    regime, limits = _regime(decode, max_seq_len)
+    raise SystemExit(_fuzz(pool, runner, regime, examples=examples, seed=seed, limits=limits,
                            time_budget=time_budget, out_dir=out_dir, fault=fault, sanitizing=sanitizing))
+
+
+def _refuse_forward_options(random_specs: bool, fault: str | None, replays) -> None:
+    """--decode with an option of the forward fuzz only: a usage error naming both."""
+    if random_specs:
+        raise click.UsageError("--decode fuzzes the SPEC files or the pool's decode problems; --random-specs draws "
+                               "forward problems and kernel configs: drop one of them")
+    if fault is not None:
+        raise click.UsageError("--fault breaks forward kernels (attngen/faults.py); --decode runs attngen.decode, "
+                               "which has no faults: drop one of them")
+    if replays:
+        raise click.UsageError("--replay reads whether a reproducer is a forward or a decode case from its case.json: "
+                               "it takes no --decode")
+
+
+@dataclass(frozen=True)
+class Regime:
+    """What the forward fuzz and --decode do differently; the rest of a run (progress, the failure, its
+    reproducer, the sanitizer, the exit status) is shared."""
+
+    name: str  # the command, as the first line and the table's title say it
+    search: Callable  # search.search's signature
+    print_summary: Callable  # (outcome) -> None
+    families: Callable  # (pool, target) -> "fwd_sm80: 12, ...": which families run the pool
+    longest: Callable  # (limits) -> the longest length drawn, which --max-seq-len sets
+    more_kernels: str  # how a run reaches more kernels, for the sanitizer's sample
+
+
+def _regime(decode: bool, max_seq_len: int | None) -> tuple[Regime, object]:
+    """The regime and its limits (the help's defaults, or --max-seq-len)."""
+    if decode:
+        from attngen.fuzz.decode_command import decode_limits, decode_regime
+
+        return decode_regime(), decode_limits(max_seq_len)
+    from attngen.fuzz.report import print_summary
+    from attngen.fuzz.search import search
+
+    return Regime("attngen fuzz", search, print_summary, _families, lambda limits: limits.max_seq,
+                  "specs or --random-specs"), _limits(max_seq_len)
 
 
 @dataclass(frozen=True)
@@ -131,6 +197,13 @@ class Sanitizing:
 def _runner(fault):
     try:
         return make_runner(fault)
+    except RuntimeError as exc:
+        _fail_to_start(str(exc))
+
+
+def _decode_runner():
+    try:
+        return make_decode_runner()
     except RuntimeError as exc:
         _fail_to_start(str(exc))
 
@@ -172,24 +245,24 @@ def _families(pool, target) -> str:
     return ", ".join(f"{family}: {n}" for family, n in counts.items())
 
 
-def _fuzz(pool, runner, *, examples, seed, limits, time_budget, out_dir: Path, fault, sanitizing) -> int:
-    from attngen.fuzz.report import Progress, print_summary
-    from attngen.fuzz.search import search
+def _fuzz(pool, runner, regime: Regime, *, examples, seed, limits, time_budget, out_dir: Path, fault,
+          sanitizing) -> int:
+    from attngen.fuzz.report import Progress
 
     budget = f", time budget {time_budget:g} s" if time_budget else ""
-    click.echo(f"attngen fuzz: {len(pool)} specs, up to {examples} cases, seed {seed}{budget}"
+    click.echo(f"{regime.name}: {len(pool)} specs, up to {examples} cases, seed {seed}{budget}"
                f"{f', fault {fault}' if fault else ''}\n  target {runner.target.name}, families "
-               f"{_families(pool, runner.target)}")
+               f"{regime.families(pool, runner.target)}")
     with _hypothesis_files_under(out_dir), Progress(examples) as progress:
-        outcome = search(pool, runner, examples=examples, seed=seed, time_budget=time_budget, limits=limits,
-                         on_case=progress.update)
-    print_summary(outcome)
+        outcome = regime.search(pool, runner, examples=examples, seed=seed, time_budget=time_budget, limits=limits,
+                                on_case=progress.update)
+    regime.print_summary(outcome)
     status = 0
     if outcome.failure is not None:
         _report_failure(outcome, out_dir / "failures", runner.machine, fault)
         status = 1
     if outcome.harness_error is not None:
-        _report_harness_error(outcome.harness_error, limits)
+        _report_harness_error(outcome.harness_error, regime.longest(limits))
         return _status(status, 2)
     if outcome.stopped == "interrupted":
         return 130
@@ -200,7 +273,7 @@ def _fuzz(pool, runner, *, examples, seed, limits, time_budget, out_dir: Path, f
         chosen = choose_samples(outcome.kernels.values(), sanitizing.sample)
         if len(chosen) < sanitizing.sample:
             click.echo(f"note: --sanitize-sample {sanitizing.sample}, but only {len(chosen)} kernels have a passing "
-                       "case in this run (add specs or --random-specs)")
+                       f"case in this run (add {regime.more_kernels})")
         samples = [(s.kernel, write_reproducer(reproducer_dir(out_dir / "sanitize", s.sample, s.kernel), s.sample,
                                                kernel=s.kernel, machine=runner.machine, fault=fault)) for s in chosen]
         status = _status(status, _sanitize(samples, sanitizing.jobs, fault))
@@ -244,12 +317,12 @@ def _report_failure(outcome, failures_dir: Path, machine, fault) -> None:
                f"replay it with:\n  {replay_command(path)}")
 
 
-def _report_harness_error(result, limits) -> None:
+def _report_harness_error(result, longest: int) -> None:
     from attngen.fuzz.check import HARNESS_MEANING
 
     click.echo(f"\nerror: {HARNESS_MEANING}; the run stopped there.\n  kernel: {result.kernel}\n"
                f"  case:   {result.case.label()}\n  detail: {result.detail}\n"
-               f"If it ran out of memory, lower --max-seq-len (this run: {limits.max_seq}).", err=True)
+               f"If it ran out of memory, lower --max-seq-len (this run: {longest}).", err=True)
 
 
 def _replay_all(paths, fault, sanitizing: Sanitizing | None) -> int:
@@ -262,14 +335,19 @@ def _replay_all(paths, fault, sanitizing: Sanitizing | None) -> int:
             loaded.append(load_reproducer(path))
         except ValueError as exc:  # SpecError included: a damaged spec.yaml
             raise click.BadParameter(str(exc), param_hint="'--replay'") from None
-    runners: dict = {}
+    decode = [repro.path for repro in loaded if repro.kind == "decode"]
+    if fault is not None and decode:
+        raise click.UsageError(f"--fault breaks forward kernels (attngen/faults.py), and {decode[0]} is a decode "
+                               "reproducer (attngen.decode has no faults): replay it without --fault")
+    runners: dict = {}  # by kind and fault
     kernels = []  # the symbol each reproducer's case runs as here: what the sanitizer instruments
     status = 0
     for repro in loaded:
         use_fault = fault if fault is not None else repro.fault
-        if use_fault not in runners:
-            runners[use_fault] = _runner(use_fault)
-        runner = runners[use_fault]
+        key = (repro.kind, use_fault)
+        if key not in runners:
+            runners[key] = _decode_runner() if repro.kind == "decode" else _runner(use_fault)
+        runner = runners[key]
         launched = getattr(runner, "launched", [])
         before = len(launched)
         result, warnings = replay(repro, runner)

@@ -14,12 +14,14 @@ ids past the cache, a spare page of NaN. A read of any of them shows as NaN or a
 
 check_decode_case runs a decode function (attngen.decode, or a stand-in in the CPU tests) and
 holds every sequence's output and LSE to reference.decode_attention within attngen.tolerance's
-per-dtype bounds, as the forward fuzz does.
+per-dtype bounds (decode_failure), as the forward fuzz does. `attngen fuzz --decode` runs these
+cases as a mode of the fuzzer (attngen/fuzz/decode_command.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -28,7 +30,7 @@ from hypothesis import strategies as st
 
 from attngen import reference, tolerance
 from attngen.dtypes import torch_dtype
-from attngen.fuzz.case import FuzzCase, host_runtime_inputs
+from attngen.fuzz.case import MAX_SEED, FuzzCase, host_runtime_inputs
 from attngen.fuzz.strategies import LOGIT_SCALES
 from attngen.spec import AttentionSpec
 
@@ -61,13 +63,16 @@ class DecodeCase:
                   ("page_size", 1, MAX_PAGE_SIZE, True, "None (contiguous) or "), ("extra_pages", 0, None, False, ""),
                   ("shared_pages", 0, None, False, ""), ("spare_pages", 1, None, False, " (the NaN pages a wild "
                                                                                      "read lands in)"),
-                  ("num_splits", 1, None, True, "None or "))
+                  ("num_splits", 1, None, True, "None or "), ("data_seed", 0, MAX_SEED, False, ""))
         for name, low, high, optional, note in checks:
             value = getattr(self, name)
             if not (optional and value is None) and not _int(value, low, high):
                 allowed = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
                 prefix, suffix = (note, "") if note.endswith("or ") else ("", note)
                 raise ValueError(f"{name}={value!r} is invalid; allowed: {prefix}{allowed}{suffix}")
+        scale = self.logit_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"logit_scale={scale!r} is invalid; allowed: a finite number > 0")
 
     @property
     def batch(self) -> int:
@@ -79,6 +84,15 @@ class DecodeCase:
 
     def pages_needed(self, b: int) -> int:
         return math.ceil(self.lengths[b] / self.page_size)
+
+    def shared(self, b: int) -> int:
+        """Leading pages sequence b shares with sequence 0 (paged)."""
+        return 0 if b == 0 else min(self.shared_pages, self.pages_needed(0), self.pages_needed(b))
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the paged cache: each sequence's own (its shared prefix is sequence 0's), then the spare ones."""
+        return sum(self.pages_needed(b) - self.shared(b) for b in range(self.batch)) + self.spare_pages
 
     @property
     def capacity(self) -> int:
@@ -117,9 +131,9 @@ class DecodeInputs:
 def _page_table(case: DecodeCase, gen: torch.Generator) -> tuple[torch.Tensor, int, torch.Tensor]:
     """(table, num_pages, filled): each page's slots in use (the longest length through it)."""
     needed = [case.pages_needed(b) for b in range(case.batch)]
-    shared = [0] + [min(case.shared_pages, needed[0], n) for n in needed[1:]]
-    owned = sum(n - s for n, s in zip(needed, shared))
-    num_pages = owned + case.spare_pages
+    shared = [case.shared(b) for b in range(case.batch)]
+    num_pages = case.num_pages
+    owned = num_pages - case.spare_pages
     ids = torch.randperm(num_pages, generator=gen)
     spare = ids[owned:]
     per_sequence = case.capacity // case.page_size
@@ -168,21 +182,44 @@ def check_decode_case(case: DecodeCase, decode, device) -> str | None:
     x = host.to(device)
     out, lse = decode(x.q, x.k_cache, x.v_cache, x.cache_seqlens, page_table=x.page_table, spec=case.spec,
                       num_splits=case.num_splits, inputs=x.inputs or None, return_lse=True)
-    out, lse = out.cpu(), lse.cpu()
-    ref, ref_lse = reference.decode_attention(host.q, host.k_cache, host.v_cache, host.cache_seqlens, case.spec,
+    bad = decode_failure(case, host, out.cpu(), lse.cpu())
+    return None if bad is None else bad[1]
+
+
+def decode_failure(case: DecodeCase, host: DecodeInputs, out, lse) -> tuple[str, str] | None:
+    """(kind, what is wrong) of a decode's out and lse (on the CPU) for the case's inputs `host`: kind
+    "output" or "lse" (attngen/fuzz/check.py FAILURE_KINDS); None when every sequence is right."""
+    q = host.q
+    if tuple(out.shape) != tuple(q.shape) or tuple(lse.shape) != (case.batch, case.heads_q, case.seq_q):
+        return "output", (f"out {tuple(out.shape)} and lse {tuple(lse.shape)}; allowed: {tuple(q.shape)} and "
+                          f"{(case.batch, case.heads_q, case.seq_q)}")
+    ref, ref_lse = reference.decode_attention(q, host.k_cache, host.v_cache, host.cache_seqlens, case.spec,
                                               page_table=host.page_table, inputs=host.inputs or None)
     scale = case.spec.effective_scale
     for b, length in enumerate(case.lengths):
+        where = f"sequence {b} (length {length})"
         if not out[b].isfinite().all():
-            return f"sequence {b} (length {length}): the output has NaN/Inf"
+            return "output", f"{where}: the output has NaN/Inf"
         if lse[b].isnan().any():
-            return f"sequence {b} (length {length}): the LSE has NaN"
+            return "lse", f"{where}: the LSE has NaN"
         k, v = (reference.gather_cache(t, host.page_table, b, length) for t in (host.k_cache, host.v_cache))
-        bad = tolerance.check_output(out[b:b + 1], ref[b:b + 1], host.q[b:b + 1], k, v, case.spec.dtype, scale) \
-            or tolerance.check_lse(lse[b:b + 1], ref_lse[b:b + 1], host.q[b:b + 1], k, scale)
+        bad = tolerance.check_output(out[b:b + 1], ref[b:b + 1], q[b:b + 1], k, v, case.spec.dtype, scale)
         if bad is not None:
-            return f"sequence {b} (length {length}): {bad}"
+            return "output", f"{where}: {bad}"
+        bad = tolerance.check_lse(lse[b:b + 1], ref_lse[b:b + 1], q[b:b + 1], k, scale)
+        if bad is not None:
+            return "lse", f"{where}: {bad}"
     return None
+
+
+def decode_input_digest(case: DecodeCase) -> str:
+    """sha256 of the case's input bytes (NaN guards included): a replay checks it regenerated the same data."""
+    x = make_decode_inputs(case)
+    digest = hashlib.sha256()
+    for t in (x.q, x.k_cache, x.v_cache, x.cache_seqlens, *(() if x.page_table is None else (x.page_table,)),
+              *x.inputs.values()):
+        digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def decode_specs(target) -> list[AttentionSpec]:
@@ -208,14 +245,31 @@ class DecodeLimits:
     max_splits: int = 40
 
 
+def first_decode_cases(specs, limits: DecodeLimits = DecodeLimits()) -> list[DecodeCase]:
+    """Two cases per spec, run before hypothesis draws any, so every kernel runs however few cases a
+    search has (a paged and a contiguous cache are two kernels): two sequences over two kv heads and two
+    new tokens; paged, a last partial page, a shared page and two splits; contiguous, an empty sequence."""
+    cases = []
+    for spec in specs:
+        short = (min(37, limits.max_length), min(20, limits.max_length))
+        cases.append(DecodeCase(spec, short, seq_q=2, heads_kv=2, page_size=16, extra_pages=1, shared_pages=1,
+                                num_splits=2))
+        cases.append(DecodeCase(spec, (min(70, limits.max_length), 0), seq_q=2, heads_kv=2, page_size=None,
+                                extra_pages=1))
+    return cases
+
+
 @st.composite
-def decode_cases(draw, specs: list[AttentionSpec], limits: DecodeLimits = DecodeLimits()) -> DecodeCase:
-    """Cases over `specs`. Every draw starts with a small range (hypothesis shrinks to short caches,
-    one sequence, one token, a contiguous cache and the kernel's own split count)."""
+def decode_cases(draw, specs: list[AttentionSpec], limits: DecodeLimits = DecodeLimits(),
+                 paged: bool | None = None) -> DecodeCase:
+    """Cases over `specs`: paged caches, contiguous ones or (None) both. Every draw starts with a small
+    range (hypothesis shrinks to short caches, one sequence, one token, a contiguous cache and the
+    kernel's own split count)."""
     spec = draw(st.sampled_from(specs))
     batch = draw(st.integers(1, limits.max_batch))
     heads_kv = draw(st.integers(1, limits.max_heads_kv))
-    page_size = draw(st.one_of(st.none(), st.sampled_from(PAGE_SIZES), st.integers(1, MAX_PAGE_SIZE)))
+    page_sizes = st.one_of(st.sampled_from(PAGE_SIZES), st.integers(1, MAX_PAGE_SIZE))
+    page_size = draw(st.none() if paged is False else page_sizes if paged else st.one_of(st.none(), page_sizes))
     longest = min(limits.max_length, limits.cache_elements // (batch * heads_kv * spec.head_dim))
     unit = page_size or 64
     length = st.one_of(
@@ -224,10 +278,10 @@ def decode_cases(draw, specs: list[AttentionSpec], limits: DecodeLimits = Decode
         st.integers(0, longest),
     ).map(lambda n: max(0, min(n, longest)))
     lengths = tuple(draw(st.lists(length, min_size=batch, max_size=batch)))
-    paged = page_size is not None
+    has_pages = page_size is not None
     return DecodeCase(
         spec, lengths, seq_q=draw(st.integers(1, MAX_SEQ_Q)), heads_kv=heads_kv, page_size=page_size,
-        extra_pages=draw(st.integers(0, 2)), shared_pages=draw(st.integers(0, 3)) if paged and batch > 1 else 0,
-        spare_pages=draw(st.integers(1, 3)) if paged else 1,
+        extra_pages=draw(st.integers(0, 2)), shared_pages=draw(st.integers(0, 3)) if has_pages and batch > 1 else 0,
+        spare_pages=draw(st.integers(1, 3)) if has_pages else 1,
         num_splits=draw(st.one_of(st.none(), st.integers(1, limits.max_splits))),
         logit_scale=draw(st.sampled_from(LOGIT_SCALES)), data_seed=draw(st.integers(0, 2**31 - 1)))

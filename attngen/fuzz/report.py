@@ -59,12 +59,23 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
         print("  ".join(str(cell).ljust(w) if i == 0 else str(cell).rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
 
 
-def print_summary(outcome: SearchOutcome) -> None:
+GRADIENTS_NOTE = "gradients: dq, dk, dv checked in every case a backward family runs (attngen/fuzz/check.py)"
+DECODE_NOTE = ("decode: every sequence's output and LSE checked against the float64 reference, NaN wherever a "
+               "decode must not read (attngen/fuzz/paged.py)")
+
+
+def print_summary(outcome: SearchOutcome, *, title: str = "attngen fuzz",
+                  lengths: tuple[str, str] = ("longest Sq", "longest Sk"), note: str = GRADIENTS_NOTE) -> None:
+    """The per-kernel table and a line of totals; `lengths` names KernelStats' two length columns."""
     rows = [[s.kernel, str(s.cases), str(s.failures), str(s.longest_seq_q), str(s.longest_seq_k),
              f"{1000 * s.seconds / s.cases:.1f}"] for s in sorted(outcome.kernels.values(), key=lambda s: s.kernel)]
-    print_table("attngen fuzz: cases per kernel", ["kernel", "cases", "failures", "longest Sq", "longest Sk", "ms/case"],
-                rows)
+    print_table(f"{title}: cases per kernel", ["kernel", "cases", "failures", *lengths, "ms/case"], rows)
     failures = sum(s.failures for s in outcome.kernels.values())
     print(f"{outcome.cases} cases in {outcome.seconds:.1f} s ({outcome.throughput:.1f} cases/s), {failures} failures, "
           f"seed {outcome.seed}; stopped: {outcome.stopped}")
-    print("gradients: dq, dk, dv checked in every case a backward family runs (attngen/fuzz/check.py)")
+    print(note)
+
+
+def print_decode_summary(outcome: SearchOutcome) -> None:
+    print_summary(outcome, title="attngen fuzz --decode", lengths=("most new tokens", "longest cache"),
+                  note=DECODE_NOTE)

@@ -1,6 +1,7 @@
 """A case on disk, and its replay.
 
-A reproducer is a directory of two files:
+A reproducer is a directory of two files (this is the forward's; attngen/fuzz/decode_reproducer.py
+writes paged decode cases, with the same spec.yaml and a case.json of kind "decode"):
   spec.yaml   the spec (AttentionSpec.to_dict(): its family and config when it pins them),
               readable by attngen.load_spec
   case.json   shape, layout and strides, dtype, scale, the data seed (and a digest of the data it
@@ -43,6 +44,9 @@ from attngen.specfile import load_spec
 FORMAT = 4
 SPEC_FILE = "spec.yaml"
 CASE_FILE = "case.json"
+# case.json's "kind" says which case it holds, and each kind has its own format. Files written before
+# decode reproducers existed have no kind: they are forward cases.
+KINDS = ("forward", "decode")
 
 
 def replay_command(path: Path) -> str:
@@ -64,18 +68,34 @@ def case_record(case: FuzzCase) -> dict:
     }
 
 
-def reproducer_dir(root: Path, case: FuzzCase, kernel: str) -> Path:
-    record = json.dumps({"spec": case.spec.to_dict(), **case_record(case)}, sort_keys=True)
+def _is_decode(case) -> bool:
+    from attngen.fuzz.paged import DecodeCase
+
+    return isinstance(case, DecodeCase)
+
+
+def reproducer_dir(root: Path, case, kernel: str) -> Path:
+    """`root`/<kernel>-<hash of the case>: a FuzzCase's or a paged DecodeCase's."""
+    if _is_decode(case):
+        from attngen.fuzz.decode_reproducer import decode_case_record as record_of
+    else:
+        record_of = case_record
+    record = json.dumps({"spec": case.spec.to_dict(), **record_of(case)}, sort_keys=True)
     return Path(root) / f"{kernel}-{hashlib.sha256(record.encode()).hexdigest()[:8]}"
 
 
-def write_reproducer(directory: Path, case: FuzzCase, *, kernel: str, machine: Machine, fault: str | None = None,
+def write_reproducer(directory: Path, case, *, kernel: str, machine: Machine, fault: str | None = None,
                      failure: CaseResult | None = None) -> Path:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    header = f"# attngen fuzz reproducer for {kernel}; replay: {replay_command(directory)}\n"
-    (directory / SPEC_FILE).write_text(header + yaml.safe_dump(case.spec.to_dict(), sort_keys=False))
+    """Write a FuzzCase's reproducer, or a paged DecodeCase's (attngen/fuzz/decode_reproducer.py)."""
+    if _is_decode(case):
+        from attngen.fuzz.decode_reproducer import write_decode_reproducer
+
+        if fault is not None:
+            raise ValueError(f"fault={fault!r} is invalid for a decode case; allowed: None (faults break forward "
+                             "kernels)")
+        return write_decode_reproducer(directory, case, kernel=kernel, machine=machine, failure=failure)
     record = {
+        "kind": "forward",
         "format": FORMAT,
         "attngen_version": attngen.__version__,
         "torch_version": torch.__version__,
@@ -87,6 +107,15 @@ def write_reproducer(directory: Path, case: FuzzCase, *, kernel: str, machine: M
         "replay": replay_command(directory),
     }
     record["data"]["sha256"] = input_digest(case)
+    return write_files(directory, case.spec, kernel, record)
+
+
+def write_files(directory: Path, spec, kernel: str, record: dict) -> Path:
+    """spec.yaml (the spec, with a header saying how to replay it) and case.json (`record`)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    header = f"# attngen fuzz reproducer for {kernel}; replay: {replay_command(directory)}\n"
+    (directory / SPEC_FILE).write_text(header + yaml.safe_dump(spec.to_dict(), sort_keys=False))
     # Indented for reading, with each shape and stride list on one line.
     text = re.sub(r"\[\s*([-\d,\s]*?)\s*\]", lambda m: f"[{' '.join(m.group(1).split())}]", json.dumps(record, indent=2))
     (directory / CASE_FILE).write_text(text + "\n")
@@ -96,13 +125,14 @@ def write_reproducer(directory: Path, case: FuzzCase, *, kernel: str, machine: M
 @dataclass(frozen=True)
 class Reproducer:
     path: Path  # the directory
-    case: FuzzCase
+    case: FuzzCase  # or a paged DecodeCase, for kind "decode"
     kernel: str
     fault: str | None
     digest: str | None
     failure: dict | None
     machine: Machine
     attngen_version: str
+    kind: str = "forward"  # a KINDS entry
 
 
 EXPECTED = f"a directory `attngen fuzz` wrote, with {SPEC_FILE} and {CASE_FILE} in it (or that {CASE_FILE})"
@@ -121,6 +151,13 @@ def load_reproducer(path: Path) -> Reproducer:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{case_file}: not valid JSON: {exc}") from exc
     try:
+        kind = record.get("kind", "forward") if isinstance(record, dict) else None
+        if kind not in KINDS:
+            raise ValueError(f"kind={kind!r} is invalid; allowed: {', '.join(map(repr, KINDS))}")
+        if kind == "decode":
+            from attngen.fuzz.decode_reproducer import load_decode_reproducer
+
+            return load_decode_reproducer(directory, record)
         _check_format(record)  # first: an older spec.yaml may not load, and the format says why
         case = _case_from_record(record, load_spec(directory / SPEC_FILE))
         return Reproducer(directory, case, record["kernel"], record["fault"], record["data"]["sha256"],
@@ -147,8 +184,8 @@ def _case_from_record(record: dict, spec) -> FuzzCase:
                     documents=_documents(record["documents"]))
     # Every derived field must agree with spec.yaml and the fields the case was built from: an edited
     # file would otherwise replay another case than the one it describes.
-    for name, actual in _leaves(case_record(case)):
-        recorded = _lookup(record, name)
+    for name, actual in json_leaves(case_record(case)):
+        recorded = json_lookup(record, name)
         if recorded != actual:
             raise ValueError(f"{name}={recorded!r} disagrees with {SPEC_FILE} and the case's other fields (was the "
                              f"file edited?); allowed: {actual!r}")
@@ -162,15 +199,15 @@ def _documents(value) -> tuple:
     return tuple(tuple(d) for d in value)
 
 
-def _leaves(record: dict, prefix: str = ""):
+def json_leaves(record: dict, prefix: str = ""):
     for key, value in record.items():
         if isinstance(value, dict):
-            yield from _leaves(value, f"{prefix}{key}.")
+            yield from json_leaves(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", value
 
 
-def _lookup(record: dict, dotted: str):
+def json_lookup(record: dict, dotted: str):
     value = record
     for key in dotted.split("."):
         if not isinstance(value, dict):
@@ -180,7 +217,12 @@ def _lookup(record: dict, dotted: str):
 
 
 def replay(reproducer: Reproducer, runner: Runner) -> tuple[CaseResult, list[str]]:
-    """Run the reproducer's case; also return warnings about what differs from when it was written."""
+    """Run the reproducer's case; also return warnings about what differs from when it was written. A
+    decode reproducer needs a decode runner (attngen/fuzz/decode_runners.py)."""
+    if reproducer.kind == "decode":
+        from attngen.fuzz.decode_reproducer import replay_decode
+
+        return replay_decode(reproducer, runner)
     warnings = []
     if input_digest(reproducer.case) != reproducer.digest:
         warnings.append(f"the inputs regenerated from seed {reproducer.case.data_seed} differ from the recorded "
@@ -189,6 +231,12 @@ def replay(reproducer: Reproducer, runner: Runner) -> tuple[CaseResult, list[str
     if kernel != reproducer.kernel:
         warnings.append(f"recorded for kernel {reproducer.kernel}; this GPU runs {kernel} (another target, default "
                         "family or config, or fault?)")
+    return run_case(reproducer.case, runner), warnings + machine_warnings(reproducer, runner)
+
+
+def machine_warnings(reproducer: Reproducer, runner) -> list[str]:
+    """What differs between where the reproducer was written and where it replays."""
+    warnings = []
     for name, what in (("target", "compile target"), ("gpu", "GPU"), ("nvrtc", "NVRTC")):
         recorded, actual = getattr(reproducer.machine, name), getattr(runner.machine, name)
         if recorded != actual:
@@ -196,4 +244,4 @@ def replay(reproducer: Reproducer, runner: Runner) -> tuple[CaseResult, list[str
     if reproducer.attngen_version != attngen.__version__:
         warnings.append(f"recorded with attngen {reproducer.attngen_version}; this is attngen {attngen.__version__}: "
                         "the kernel source may differ")
-    return run_case(reproducer.case, runner), warnings
+    return warnings

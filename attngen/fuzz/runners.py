@@ -61,6 +61,26 @@ def backward_plan_name(spec: AttentionSpec, target: Target) -> str | None:
         return None
 
 
+def cuda_device() -> tuple[int, Target, Machine]:
+    """(index, target, machine) of the current CUDA device: one device for everything, the harness's
+    tensors, the target the plans are made for, the compile. RuntimeError saying why there is none."""
+    from attngen.build import compiler
+    from attngen.errors import MissingDependency, require_cupy
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("attngen fuzz runs kernels on a CUDA GPU, and torch.cuda.is_available() is False")
+    try:
+        require_cupy()  # checked now, not as a crash in every case
+    except MissingDependency as exc:
+        raise RuntimeError(str(exc)) from None
+    index = torch.cuda.current_device()
+    try:
+        target = targets.device_target(index)
+    except ValueError as exc:  # a GPU older than any family supports
+        raise RuntimeError(str(exc)) from None
+    return index, target, Machine(target.name, torch.cuda.get_device_name(index), compiler.nvrtc_version())
+
+
 class KernelRunner:
     """The compiled kernel on the current CUDA device; `fault` (attngen/faults.py) breaks it on purpose.
 
@@ -68,25 +88,10 @@ class KernelRunner:
     prints them, so the parent can tell the instrumented kernel really ran."""
 
     def __init__(self, fault: str | None = None):
-        from attngen.build import compiler
-        from attngen.errors import MissingDependency, require_cupy
         from attngen.faults import check_fault
 
-        if not torch.cuda.is_available():
-            raise RuntimeError("attngen fuzz runs kernels on a CUDA GPU, and torch.cuda.is_available() is False")
-        try:
-            require_cupy()  # checked now, not as a crash in every case
-        except MissingDependency as exc:
-            raise RuntimeError(str(exc)) from None
-        # One device for everything: the harness's tensors, the target the plans are made for, the compile.
-        self.device_index = torch.cuda.current_device()
+        self.device_index, self.target, self.machine = cuda_device()
         self.device = f"cuda:{self.device_index}"
-        try:
-            self.target = targets.device_target(self.device_index)
-        except ValueError as exc:  # a GPU older than any family supports
-            raise RuntimeError(str(exc)) from None
-        self.machine = Machine(self.target.name, torch.cuda.get_device_name(self.device_index),
-                               compiler.nvrtc_version())
         self.fault = check_fault(fault)
         self.launched: list[str] = []
 

@@ -1,4 +1,5 @@
 """The search: hypothesis draws cases, `run_case` runs each; a failure is shrunk to a minimal case.
+`run_search` is the part every regime shares (attngen/fuzz/decode_search.py runs paged decode cases).
 
 One hypothesis run, seeded with --seed and with no example database, so a run is a function of
 its seed. Its first cases are explicit ones, one per spec (strategies.first_cases), so every kernel
@@ -93,10 +94,22 @@ class SearchOutcome:
         stats.cases += 1
         stats.failures += not result.ok
         stats.seconds += result.seconds
-        stats.longest_seq_q = max(stats.longest_seq_q, result.case.seq_q)
-        stats.longest_seq_k = max(stats.longest_seq_k, result.case.seq_k)
-        if result.ok and (stats.sample is None or sample_key(result.case, target) < sample_key(stats.sample, target)):
+        seq_q, seq_k = self.lengths(result.case)
+        stats.longest_seq_q = max(stats.longest_seq_q, seq_q)
+        stats.longest_seq_k = max(stats.longest_seq_k, seq_k)
+        key = self.sample_key
+        if result.ok and (stats.sample is None or key(result.case, target) < key(stats.sample, target)):
             stats.sample = result.case
+
+    # What a regime's outcome (attngen/fuzz/decode_search.py) records differently.
+    @staticmethod
+    def lengths(case: FuzzCase) -> tuple[int, int]:
+        """The case's (queries, keys) for the longest-length columns."""
+        return case.seq_q, case.seq_k
+
+    @staticmethod
+    def sample_key(case: FuzzCase, target: Target) -> tuple:
+        return sample_key(case, target)
 
 
 OnCase = Callable[[CaseResult, SearchOutcome, bool], None]
@@ -106,25 +119,38 @@ def search(specs, runner: Runner, *, examples: int, seed: int, time_budget: floa
            limits: Limits = DEFAULT_LIMITS, on_case: OnCase | None = None) -> SearchOutcome:
     """Run up to `examples` cases over `specs`; stop early at the time budget, the first failure (shrunk)
     or the first harness error (not shrunk)."""
+    check_search_arguments(examples, time_budget)
+    return run_search(fuzz_cases(specs, limits, runner.target), first_cases(specs, limits, runner.target)[:examples],
+                      lambda case: fuzz_cases([case.spec], limits, runner.target), runner,
+                      SearchOutcome(seed=seed, examples=examples), time_budget, on_case)
+
+
+def check_search_arguments(examples: int, time_budget: float | None) -> None:
     if examples < 1:
         raise ValueError(f"examples={examples!r} is invalid; allowed: an integer >= 1")
     if time_budget is not None and not time_budget > 0:
         raise ValueError(f"time_budget={time_budget!r} is invalid; allowed: seconds > 0, or None for no limit")
-    strategy = fuzz_cases(specs, limits, runner.target)
-    firsts = first_cases(specs, limits, runner.target)[:examples]
-    outcome = SearchOutcome(seed=seed, examples=examples)
+
+
+def run_search(strategy, firsts: list, focus: Callable, runner, outcome: SearchOutcome, time_budget: float | None,
+               on_case: OnCase | None, check: Callable | None = None,
+               kernel_of: Callable | None = None) -> SearchOutcome:
+    """The search of any regime: `firsts` (explicit cases), then cases drawn from `strategy`, each run by
+    `check(case, runner)` -> CaseResult (default run_case); `focus(case)` draws cases of the case's
+    kernel, for a failing first case. `kernel_of(runner, case)` names a case's kernel when `check`
+    itself raised."""
     start = time.monotonic()
 
     def budget_spent() -> bool:
         return time_budget is not None and time.monotonic() - start >= time_budget
 
+    harness = (check or run_case, kernel_of or _kernel_name)
     try:
-        _run(strategy, firsts, outcome.examples - len(firsts), runner, outcome, budget_spent, on_case)
+        _run(strategy, firsts, outcome.examples - len(firsts), runner, outcome, budget_spent, on_case, harness)
         if outcome.failure is not None and outcome.failure.case in firsts and outcome.device_error is None:
-            # A first case failed, and hypothesis does not shrink explicit cases: search its spec
+            # A first case failed, and hypothesis does not shrink explicit cases: search its kernel
             # alone, where a failure is drawn again and shrunk (or the first case stands).
-            _refocus(fuzz_cases([outcome.failure.case.spec], limits, runner.target), runner, outcome,
-                     budget_spent, on_case)
+            _refocus(focus(outcome.failure.case), runner, outcome, budget_spent, on_case, harness)
     except KeyboardInterrupt:
         outcome.stopped = "interrupted"
     except _BudgetSpent:
@@ -134,27 +160,30 @@ def search(specs, runner: Runner, *, examples: int, seed: int, time_budget: floa
     outcome.seconds = time.monotonic() - start
     if not outcome.stopped:
         # Fewer cases than asked only when hypothesis has tried every case the strategy can draw.
-        outcome.stopped = "failure" if outcome.failure else "examples" if outcome.cases >= examples else "exhausted"
+        outcome.stopped = ("failure" if outcome.failure else "examples" if outcome.cases >= outcome.examples
+                           else "exhausted")
     return outcome
 
 
 FOCUSED_EXAMPLES = 200  # drawn cases a search of one failing spec may take to fail again
 
 
-def _refocus(strategy, runner, outcome: SearchOutcome, budget_spent, on_case) -> None:
+def _refocus(strategy, runner, outcome: SearchOutcome, budget_spent, on_case, harness) -> None:
     first = outcome.failure
     outcome.failure = outcome.first_failure = None
     try:
-        _run(strategy, [], FOCUSED_EXAMPLES, runner, outcome, budget_spent, on_case)
+        _run(strategy, [], FOCUSED_EXAMPLES, runner, outcome, budget_spent, on_case, harness)
     finally:  # also when the budget, a harness error or an interrupt ends the focused search
         if outcome.device_error is None and (outcome.failure is None or outcome.failure.kind != first.kind):
             outcome.failure, outcome.shrunk, outcome.flaky = first, False, False
         outcome.first_failure = first
 
 
-def _run(strategy, firsts: list[FuzzCase], drawn: int, runner, outcome: SearchOutcome,
-         budget_spent: Callable[[], bool], on_case: OnCase | None) -> None:
-    def one_case(case: FuzzCase) -> None:
+def _run(strategy, firsts: list, drawn: int, runner, outcome: SearchOutcome, budget_spent: Callable[[], bool],
+         on_case: OnCase | None, harness: tuple[Callable, Callable]) -> None:
+    check, kernel_of = harness
+
+    def one_case(case) -> None:
         if outcome.device_error is not None:
             raise _FAILURE_TYPES["device"](outcome.device_error)  # the GPU is unusable: run nothing more
         shrinking = outcome.first_failure is not None
@@ -163,9 +192,9 @@ def _run(strategy, firsts: list[FuzzCase], drawn: int, runner, outcome: SearchOu
                 raise _BudgetSpent
             outcome.cases += 1
         try:
-            result = run_case(case, runner)
-        except Exception as exc:  # noqa: BLE001 - run_case classifies what it expects; this is a harness bug
-            raise _HarnessFailed(CaseResult(case, _kernel_name(runner, case), 0.0, HARNESS,
+            result = check(case, runner)
+        except Exception as exc:  # noqa: BLE001 - check classifies what it expects; this is a harness bug
+            raise _HarnessFailed(CaseResult(case, kernel_of(runner, case), 0.0, HARNESS,
                                             f"{type(exc).__name__}: {exc}")) from exc
         if result.harness_error:
             raise _HarnessFailed(result)

@@ -1,0 +1,56 @@
+"""What `attngen fuzz --decode` does differently from the forward fuzz (attngen/fuzz/command.py runs
+both): its pool (the SPEC files, else the fuzz pool's problems a decode family runs), its limits
+(--max-seq-len is the longest cache), its search (attngen/fuzz/decode_search.py) and its table.
+
+Each spec runs as two kernels, a decode plan over a paged and one over a contiguous cache. Spec
+files pinning a decode family's config fuzz that config; a spec no decode family runs on this GPU,
+or one of packed sequences (the forward's), is a usage error naming the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from attngen.errors import SpecError
+from attngen.fuzz.command import Regime
+from attngen.fuzz.paged import DecodeLimits
+
+
+def decode_regime() -> Regime:
+    from attngen.fuzz.decode_search import search_decode
+    from attngen.fuzz.report import print_decode_summary
+
+    return Regime("attngen fuzz --decode", search_decode, print_decode_summary, _families,
+                  lambda limits: limits.max_length, "SPEC files")
+
+
+def decode_limits(max_length: int | None) -> DecodeLimits:
+    return DecodeLimits() if max_length is None else dataclasses.replace(DecodeLimits(), max_length=max_length)
+
+
+def decode_pool(paths, target) -> tuple:
+    """The SPEC files' specs, else the built-in decode problems (paged.decode_specs), for `target`."""
+    from attngen.fuzz.case import is_packed
+    from attngen.fuzz.paged import decode_specs
+    from attngen.runtime.decode import decode_plan
+    from attngen.specfile import load_spec
+
+    given = [load_spec(path) for path in paths]
+    for spec in given:
+        if is_packed(spec):
+            raise SpecError(f"{spec.source}: packed sequences (varlen, or attention_varlen's document arrays) are "
+                            "the forward's; allowed with --decode: a spec of one sequence per cache", field="varlen")
+        try:
+            decode_plan(spec, target, paged=True)  # a decode family that runs it here, and its pinned config
+        except SpecError as exc:
+            raise SpecError(f"{spec.source}: {exc}", field=exc.field, problems=exc.problems) from None
+    return tuple(dict.fromkeys(given or decode_specs(target)))
+
+
+def _families(pool, target) -> str:
+    """How many of the pool's specs run as each decode family on the target."""
+    from attngen.runtime.decode import decode_plan
+
+    counts = Counter(decode_plan(spec, target, paged=True).family for spec in pool)
+    return ", ".join(f"{family}: {n}" for family, n in counts.items()) + " (each paged and contiguous: two kernels)"
