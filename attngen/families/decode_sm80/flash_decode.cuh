@@ -483,10 +483,9 @@ __device__ __forceinline__ void flash_decode(const P& p) {
 }
 
 // One CTA per (sequence, token, query head): the splits' partials weighted by their LSEs. Every
-// warp reads all the LSEs (each lane a strided share), then takes its own splits' partials, whose
-// weights are known before any partial is read: all of a warp's partial loads are in flight at once
-// (up to COMBINE_UNROLL per lane per round) and the warps' sums merge through shared memory. A small
-// call's combine is then two L2 round trips, not 2 x splits of them in one warp.
+// warp reads all the LSEs (each lane a strided share) for the maximum and takes its own splits'
+// partials (up to COMBINE_UNROLL per lane in flight), the first of them requested with the LSEs;
+// the warps' sums merge through shared memory.
 constexpr int COMBINE_WARPS = 4;  // family.py COMBINE_THREADS / 32
 constexpr int COMBINE_UNROLL = 8;
 
@@ -500,6 +499,29 @@ __device__ __forceinline__ void combine(const Params& p) {
     const i64 row = blockIdx.x, rows = (i64)p.batch * p.Sq * p.Hq;
     const int head = (int)(row % p.Hq), token = (int)(row / p.Hq % p.Sq), batch = (int)(row / ((i64)p.Hq * p.Sq));
     const int splits = p.num_splits;
+    const float* o_row = p.o_part + row * HEAD_DIM + lane * PER_LANE;
+
+    // This warp's splits: warp, warp + COMBINE_WARPS, ..., up to 32 per round (lane u holds the LSE of
+    // the round's split u), their partials read COMBINE_UNROLL at a time. The first round's LSEs and
+    // first partials are requested together with the LSEs for the maximum: no load waits on another,
+    // so a call of up to 32 * COMBINE_WARPS splits costs one L2 round trip before its arithmetic.
+    auto round_splits = [&](int j0) { return min(32, (splits - j0 + COMBINE_WARPS - 1) / COMBINE_WARPS); };
+    auto lane_lse = [&](int j0) {  // -inf past the last split: its weight is 0
+        const int s = j0 + lane * COMBINE_WARPS;
+        return s < splits ? __ldcg(p.lse_part + s * rows + row) : NEG_INF;
+    };
+    auto load_partials = [&](int j0, int u0, int n, float (&part)[COMBINE_UNROLL][PER_LANE]) {
+#pragma unroll
+        for (int u = 0; u < COMBINE_UNROLL; ++u) {
+            const i64 s_u = j0 + (i64)(u0 + u) * COMBINE_WARPS;
+#pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) part[u][k] = u0 + u < n ? __ldcg(o_row + s_u * rows * HEAD_DIM + k) : 0.f;
+        }
+    };
+    int n = round_splits(warp);
+    float l_lane = lane_lse(warp), part[COMBINE_UNROLL][PER_LANE];
+    load_partials(warp, 0, n, part);
+
     float mx = NEG_INF;
     bool nan_seen = false;
     for (int s = lane; s < splits; s += 32) {
@@ -512,28 +534,20 @@ __device__ __forceinline__ void combine(const Params& p) {
     nan_seen = __any_sync(full, nan_seen);
     const float ref = mx == NEG_INF ? 0.f : mx;
 
-    // This warp's splits: warp, warp + COMBINE_WARPS, ... (lane u of a round holds split j0 + u's weight).
     float sum = 0.f, acc[PER_LANE];
 #pragma unroll
     for (int k = 0; k < PER_LANE; ++k) acc[k] = 0.f;
-    const float* o_row = p.o_part + row * HEAD_DIM + lane * PER_LANE;
 #pragma unroll 1
     for (int j0 = warp; j0 < splits; j0 += 32 * COMBINE_WARPS) {
-        const int s_lane = j0 + lane * COMBINE_WARPS;
-        // 0 for a split that saw no key (its partial is zeros) and for lanes past the last split.
-        const float w_lane = s_lane < splits ? exp2f(__ldcg(p.lse_part + s_lane * rows + row) - ref) : 0.f;
+        if (j0 != warp) {
+            n = round_splits(j0);
+            l_lane = lane_lse(j0);
+        }
+        const float w_lane = exp2f(l_lane - ref);  // 0 for a split that saw no key (its partial is zeros)
         sum += w_lane;
-        const int n = min(32, (splits - j0 + COMBINE_WARPS - 1) / COMBINE_WARPS);
 #pragma unroll 1
         for (int u0 = 0; u0 < n; u0 += COMBINE_UNROLL) {
-            float part[COMBINE_UNROLL][PER_LANE];
-#pragma unroll
-            for (int u = 0; u < COMBINE_UNROLL; ++u) {
-                const i64 s_u = j0 + (i64)(u0 + u) * COMBINE_WARPS;
-#pragma unroll
-                for (int k = 0; k < PER_LANE; ++k)
-                    part[u][k] = u0 + u < n ? __ldcg(o_row + s_u * rows * HEAD_DIM + k) : 0.f;
-            }
+            if (j0 != warp || u0 != 0) load_partials(j0, u0, n, part);
 #pragma unroll
             for (int u = 0; u < COMBINE_UNROLL; ++u) {
                 const float w = __shfl_sync(full, w_lane, (u0 + u) % 32);
