@@ -1,8 +1,13 @@
 """Per-kernel GPU time (torch.profiler / CUPTI) of attngen.decode at the small shapes: the split kernel
 against the combine, 30 eager calls each.  PYTHONPATH=. python bench/decode_kernel_times.py"""
-import collections, torch, attngen
-from torch.profiler import profile, ProfilerActivity
+import collections
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import attngen
 from attngen.bench_decode import HEAD_DIM, HEADS_KV, HEADS_Q, _paged
+
 for batch, seqlen in ((1, 32768), (8, 8192), (1, 4096)):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)

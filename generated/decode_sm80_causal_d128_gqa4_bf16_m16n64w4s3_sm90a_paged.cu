@@ -579,35 +579,74 @@ __device__ __forceinline__ void flash_decode(const P& p) {
         return p.page_table[(i64)batch * p.pt_sb + n / p.page_size];
     };
     auto load_kv_tma = [&](int it, int page) {
-      if constexpr (TMA) {
-        const int stage = it % NUM_STAGES, n0 = (n_begin + it) * BLOCK_N;
-        const u32 dk = sKV + 2 * stage * KV_TILE_BYTES, dv = dk + KV_TILE_BYTES, bar = bars + 8 * stage;
-        if constexpr (PAGED) {
-            const int rows = p.box_rows, n = n0 + lane * rows;
-            const bool listed = lane * rows < BLOCK_N && n < Sk;
-            const bool in = listed && (unsigned)page < (unsigned)p.num_pages;
-            bad |= listed && !in;  // a bad page id is never followed: the sequence's rows become NaN
-            const int boxes = __popc(__ballot_sync(0xffffffffu, in));
-            if (lane == 0) mbar_expect_tx(bar, boxes * rows * 128 * SUBTILES * 2);
-            __syncwarp();  // the bytes are announced before any box can complete
-            if (in) {
-                const int slot = n % p.page_size;
+        if constexpr (TMA) {  // a cp.async plan's parameters have no tensor maps
+            const int stage = it % NUM_STAGES, n0 = (n_begin + it) * BLOCK_N;
+            const u32 dk = sKV + 2 * stage * KV_TILE_BYTES, dv = dk + KV_TILE_BYTES, bar = bars + 8 * stage;
+            if constexpr (PAGED) {
+                const int rows = p.box_rows, n = n0 + lane * rows;
+                const bool listed = lane * rows < BLOCK_N && n < Sk;
+                const bool in = listed && (unsigned)page < (unsigned)p.num_pages;
+                bad |= listed && !in;  // a bad page id is never followed: the sequence's rows become NaN
+                const int boxes = __popc(__ballot_sync(0xffffffffu, in));
+                if (lane == 0) mbar_expect_tx(bar, boxes * rows * 128 * SUBTILES * 2);
+                __syncwarp();  // the bytes are announced before any box can complete
+                if (in) {
+                    const int slot = n % p.page_size;
+#pragma unroll
+                    for (int sub = 0; sub < SUBTILES; ++sub) {
+                        tma_load(dk + sub * SUBTILE_BYTES + lane * rows * 128, &p.tmap_k, bar, sub * 64, slot, kv_head, page);
+                        tma_load(dv + sub * SUBTILE_BYTES + lane * rows * 128, &p.tmap_v, bar, sub * 64, slot, kv_head, page);
+                    }
+                }
+            } else {
+                if (lane != 0) return;
+                mbar_expect_tx(bar, KV_TILE_BYTES * 2);  // rows past the capacity count too (zero-filled)
 #pragma unroll
                 for (int sub = 0; sub < SUBTILES; ++sub) {
-                    tma_load(dk + sub * SUBTILE_BYTES + lane * rows * 128, &p.tmap_k, bar, sub * 64, slot, kv_head, page);
-                    tma_load(dv + sub * SUBTILE_BYTES + lane * rows * 128, &p.tmap_v, bar, sub * 64, slot, kv_head, page);
+                    tma_load(dk + sub * SUBTILE_BYTES, &p.tmap_k, bar, sub * 64, n0, kv_head, batch);
+                    tma_load(dv + sub * SUBTILE_BYTES, &p.tmap_v, bar, sub * 64, n0, kv_head, batch);
                 }
             }
-        } else {
-            if (lane != 0) return;
-            mbar_expect_tx(bar, KV_TILE_BYTES * 2);  // rows past the capacity count too (zero-filled)
+        }
+    };
+
+    // TMA: warp 0 initialises the stages' mbarriers and requests the first NUM_STAGES blocks (their
+    // page ids all in flight before the first is used), then reads the next block's page ids.
+    int next_page = -1;  // TMA, paged: this lane's page id for the next block to issue
+    auto start_tma_ring = [&]() {
+        if constexpr (TMA) {
+            if (warp != 0) return;
+            if (lane == 0) {
 #pragma unroll
-            for (int sub = 0; sub < SUBTILES; ++sub) {
-                tma_load(dk + sub * SUBTILE_BYTES, &p.tmap_k, bar, sub * 64, n0, kv_head, batch);
-                tma_load(dv + sub * SUBTILE_BYTES, &p.tmap_v, bar, sub * 64, n0, kv_head, batch);
+                for (int s = 0; s < NUM_STAGES; ++s) mbar_init(bars + 8 * s, 1);  // lane 0's expect_tx arrives
+                mbar_init_fence();
+            }
+            __syncwarp();
+            int pages[NUM_STAGES];
+#pragma unroll
+            for (int s = 0; s < NUM_STAGES; ++s) pages[s] = tma_page(s);
+#pragma unroll
+            for (int s = 0; s < NUM_STAGES; ++s)
+                if (s < n_blocks) load_kv_tma(s, pages[s]);
+            next_page = tma_page(NUM_STAGES);
+        }
+    };
+    // TMA brought whole boxes: once block `it` has landed, V rows past the length (whatever the page
+    // holds there, or an older block's rows where no box was issued) become zeros, as cp.async's are
+    // (0 x NaN is NaN in P.V).
+    auto wait_tma_block = [&](int it, int stage) {
+        if constexpr (TMA) {
+            mbar_wait(bars + 8 * stage, (it / NUM_STAGES) & 1);
+            const int n0 = (n_begin + it) * BLOCK_N;
+            if (n0 + BLOCK_N > Sk) {
+                const u32 dv = sKV + (2 * stage + 1) * KV_TILE_BYTES;
+                for (int c = threadIdx.x; c < BLOCK_N * 8 * SUBTILES; c += THREADS) {
+                    const int r = c / (8 * SUBTILES), sub = c % (8 * SUBTILES) / 8, chunk = c % 8;
+                    if (n0 + r >= Sk) st_shared_zero16(dv + sub * SUBTILE_BYTES + r * 128 + chunk * 16);
+                }
+                fence_async_smem();  // ordered before any later box into this stage
             }
         }
-      }
     };
 
     // Q: rows past Sq * GQA_RATIO are zeros (never stored).
@@ -620,23 +659,8 @@ __device__ __forceinline__ void flash_decode(const P& p) {
     cp_async_commit();
     // Every stage of the ring is filled at once (a split of up to NUM_STAGES blocks requests all of
     // them before the first lands); a stage is refilled once every warp has read its block.
-    int next_page = -1;  // TMA, paged: warp 0's lane's page id for the next block to issue
     if (tma) {
-        if constexpr (TMA) if (warp == 0) {
-            if (lane == 0) {
-#pragma unroll
-                for (int s = 0; s < NUM_STAGES; ++s) mbar_init(bars + 8 * s, 1);  // lane 0's expect_tx arrives
-                mbar_init_fence();
-            }
-            __syncwarp();
-            int pages[NUM_STAGES];
-#pragma unroll
-            for (int s = 0; s < NUM_STAGES; ++s) pages[s] = tma_page(s);  // all in flight before the first use
-#pragma unroll
-            for (int s = 0; s < NUM_STAGES; ++s)
-                if (s < n_blocks) load_kv_tma(s, pages[s]);
-            next_page = tma_page(NUM_STAGES);
-        }
+        start_tma_ring();
     } else {
 #pragma unroll
         for (int s = 0; s < NUM_STAGES; ++s) {
@@ -693,20 +717,7 @@ __device__ __forceinline__ void flash_decode(const P& p) {
     for (int it = 0; it < n_blocks; ++it) {
         const int stage = it % NUM_STAGES;
         if (tma) {
-          if constexpr (TMA) {
-            mbar_wait(bars + 8 * stage, (it / NUM_STAGES) & 1);
-            // TMA brought whole boxes: V rows past the length (whatever the page holds there, or an
-            // older block's rows where no box was issued) become zeros, as cp.async's are (0 x NaN).
-            const int n0 = (n_begin + it) * BLOCK_N;
-            if (n0 + BLOCK_N > Sk) {
-                const u32 dv = sKV + (2 * stage + 1) * KV_TILE_BYTES;
-                for (int c = threadIdx.x; c < BLOCK_N * 8 * SUBTILES; c += THREADS) {
-                    const int r = c / (8 * SUBTILES);
-                    if (n0 + r >= Sk) st_shared_zero16(dv + (c % (8 * SUBTILES)) / 8 * SUBTILE_BYTES + r * 128 + c % 8 * 16);
-                }
-                fence_async_smem();  // ordered before any later box into this stage
-            }
-          }
+            wait_tma_block(it, stage);
         } else {
             // Groups: Q, the ring's first NUM_STAGES blocks, then one per iteration from the second on,
             // so block `it` is group it + 1 and the groups after it number NUM_STAGES - 1, then - 2.
