@@ -609,6 +609,9 @@ def register():
     _TEXTS = torch.compiler.assume_constant_result(_texts)
     _SINK_INPUTS = torch.compiler.assume_constant_result(_sink_inputs)
     _LEARNABLE = torch.compiler.assume_constant_result(_learnable_inputs)
+    from attngen import varlen
+
+    varlen.mark_constant_at_trace_time(torch)
 
     @torch.library.custom_op(OP, mutates_args=(), schema=SCHEMA)
     def forward(q, k, v, spec_key, softmax_scale, input_names=None, inputs=None, rng=None):

@@ -12,8 +12,9 @@ It runs one of two ways (docs/masks.md, "Packed sequences"):
   batch 1 with the spec's `varlen` set and cu_seqlens passed as the inputs `cu_seqlens_q`,
   `cu_seqlens_k`; the kernel tiles each sequence on its own (its tile list is built on the GPU,
   attngen/families/fwd_sm90/varlen_tiles.cuh) and evaluates the caller's mask, modifier and sink in
-  the sequence's positions. Taken for calls without gradients or dropout, eagerly, whose mask has
-  closed-form bounds and whose expressions read inputs indexed by h alone (native_reason).
+  the sequence's positions. Taken for calls without gradients or dropout (eagerly or under
+  torch.compile, where the choice is made once at trace time), whose mask has closed-form bounds
+  and whose expressions read inputs indexed by h alone (native_reason).
 - The document mask, everywhere else: one call of attention() over batch 1, its mask the document
   mask conjoined with the caller's mask rewritten into each sequence's own coordinates: q_idx,
   kv_idx, q_len and kv_len of the mask (and of a score modifier or sink) become the row's and key's
@@ -158,6 +159,23 @@ def _per_sequence_spec(key: str, device: int):
     return spec if families.supporting(spec.problem, targets.device_target(device)) else None
 
 
+def _per_sequence_key(key: str, device: int) -> str:
+    """The key of _per_sequence_spec, or "" for none. attngen.api.register() marks it with
+    torch.compiler.assume_constant_result, so torch.compile runs it once at trace time (it parses a
+    spec key and asks the GPU which families run it: nothing to trace) and keeps the string as a
+    constant (a spec object cannot be one, and dynamo traces through an lru_cache wrapper rather
+    than honour the mark on it: hence a plain function of strings)."""
+    spec = _per_sequence_spec(key, device)
+    return "" if spec is None else spec.key()
+
+
+def mark_constant_at_trace_time(torch) -> None:
+    """Called by attngen.api.register(), outside any trace (marking inside one is a graph break): what
+    parses expressions or asks the GPU runs once when torch.compile traces attention_varlen."""
+    for fn in (_per_sequence_key, _lowered_texts, _read_inputs):
+        torch.compiler.assume_constant_result(fn)
+
+
 def _check_cu(name: str, cu, other_name: str, other) -> None:
     import torch
 
@@ -192,10 +210,8 @@ def _per_token(torch, cu, total: int):
     return doc.to(torch.int32), (tokens - start).to(torch.int32), start.to(torch.int32), length.to(torch.int32)
 
 
-def varlen_inputs(mask: str, score_mod: str | None, sink: str | None, q, k, cu_seqlens_q, cu_seqlens_k) -> dict:
-    """The per-token arrays the lowered expressions read, built on the device of the cu_seqlens."""
-    import torch
-
+def _read_inputs(mask: str, score_mod: str | None, sink: str | None) -> tuple[str, ...]:
+    """The runtime inputs the expressions read (a constant at trace time: mark_constant_at_trace_time)."""
     from attngen.masks import get_mask
     from attngen.score_mods import get_score_mod
 
@@ -203,6 +219,19 @@ def varlen_inputs(mask: str, score_mod: str | None, sink: str | None, q, k, cu_s
     for text in (score_mod, sink):
         if text is not None:
             wanted |= {name for name, _ in get_score_mod(text).program.inputs}
+    return tuple(sorted(wanted))
+
+
+def _lowered_texts(mask: str, score_mod: str | None, sink: str | None) -> tuple[str, str | None, str | None]:
+    """lowered(), as a constant at trace time (mark_constant_at_trace_time)."""
+    return lowered(mask, score_mod, sink)
+
+
+def varlen_inputs(mask: str, score_mod: str | None, sink: str | None, q, k, cu_seqlens_q, cu_seqlens_k) -> dict:
+    """The per-token arrays the lowered expressions read, built on the device of the cu_seqlens."""
+    import torch
+
+    wanted = set(_read_inputs(mask, score_mod, sink))
     qdoc, qpos, qstart, qlen = _per_token(torch, cu_seqlens_q, q.shape[0])
     kdoc, kpos, _, _ = _per_token(torch, cu_seqlens_k, k.shape[0])
     kdoc = torch.where(kdoc < 0, -2, kdoc)  # outside every sequence on both sides: still apart
@@ -218,19 +247,19 @@ def varlen_inputs(mask: str, score_mod: str | None, sink: str | None, q, k, cu_s
     return {name: arrays[name] for name in sorted(wanted & RESERVED)}  # int32 for the mask, float32 for modifiers
 
 
-def _per_sequence(q, k, v, mask, score_mod, sink, inputs, dropout_p):
-    """The varlen spec to run this call with kernels that tile per sequence (Problem.varlen), or None
-    for the document mask over batch 1: on sm_90a, eagerly (not under torch.compile), without
-    gradients or dropout, for a mask with closed-form bounds and inputs indexed by h alone (native_reason)."""
+def _per_sequence(q, k, v, mask, score_mod, sink, inputs, dropout_p) -> str:
+    """The key of the varlen spec to run this call with kernels that tile per sequence
+    (Problem.varlen), or "" for the document mask over batch 1: on sm_90a, without gradients or dropout, for a mask with
+    closed-form bounds and inputs indexed by h alone (native_reason)."""
     import torch
 
     from attngen.api import _needs_grad, _spec_key
 
     if not PER_SEQUENCE_TILES or dropout_p or type(q) is not torch.Tensor or not q.is_cuda \
-            or torch.compiler.is_compiling() or _needs_grad(torch, q, k, v, inputs):
-        return None
+            or _needs_grad(torch, q, k, v, inputs):
+        return ""
     key = _spec_key(q.unsqueeze(0), k.unsqueeze(0), None, mask, score_mod, sink)
-    return _per_sequence_spec(key, q.get_device())
+    return _per_sequence_key(key, q.get_device())
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | None = None,
@@ -271,13 +300,23 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     clash = sorted(set(inputs or {}) & RESERVED)
     if clash:
         raise ValueError(f"inputs has {clash[0]!r}; attention_varlen reserves the names {sorted(RESERVED)}")
-    spec = _per_sequence(q, k, v, mask, score_mod, sink, inputs, dropout_p)
-    if spec is not None:  # kernels tiling per sequence: the caller's expressions as they are
-        result = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), spec,
-                           inputs={**(inputs or {}), "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k},
-                           softmax_scale=softmax_scale, return_lse=return_lse)
-        return (result[0][0], result[1][0]) if return_lse else result[0]
-    texts = lowered(mask, score_mod, sink)
+    key = _per_sequence(q, k, v, mask, score_mod, sink, inputs, dropout_p)
+    if key:  # kernels tiling per sequence: the caller's expressions as they are
+        import torch
+
+        from attngen import api
+
+        q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        with_cu = {**(inputs or {}), "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+        if torch.compiler.is_compiling():  # the op by its key (no gradients here: nothing else to record)
+            names, tensors = api._split_inputs(with_cu)
+            out, lse = (api._OP or api.register())(q4, k4, v4, key, softmax_scale, names, tensors)
+        else:
+            out, lse = attention(q4, k4, v4, api._spec_from_key(key), inputs=with_cu, softmax_scale=softmax_scale,
+                                 return_lse=True)
+        return (out.squeeze(0), lse.squeeze(0)) if return_lse else out.squeeze(0)
+    # Copies of the texts, free of the trace-time constant's source (dynamo cannot guard on its items).
+    texts = tuple(None if text is None else str(text) for text in _lowered_texts(mask, score_mod, sink))
     reads_positions = any(text is not None and "posf[" in text for text in texts[1:])
     if reads_positions and max(q.shape[0], k.shape[0]) >= FLOAT_EXACT:
         raise ValueError(f"q has {q.shape[0]} and k {k.shape[0]} tokens, and the score modifier or sink reads "
@@ -289,5 +328,5 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
                        deterministic=deterministic)
     if return_lse:
         out, lse = result
-        return out[0], lse[0]
-    return result[0]
+        return out.squeeze(0), lse.squeeze(0)
+    return result.squeeze(0)

@@ -164,3 +164,41 @@ def test_a_modifier_reading_positions_is_refused_past_2_to_the_24_tokens():
     with pytest.raises(ValueError, match=f"allowed: fewer than {total} tokens"):
         varlen.attention_varlen(q, q, q, cu, cu, mask="causal", score_mod="alibi",
                                 inputs={"slope": torch.ones(2)})
+
+
+def test_torch_compile_takes_the_per_sequence_tiles_when_the_gpu_runs_them(monkeypatch):
+    """Under torch.compile(fullgraph=True) the choice between per-sequence tiles and the document mask
+    is made once at trace time (assume_constant_result): on an sm_90a device (faked here) the graph
+    holds one attention op over the varlen spec with cu_seqlens as its inputs, with no graph break.
+    (The document mask's path traces to its op too; CPU torch cannot fake the CUDA tensors it slices
+    on the way, so tests/test_gpu_varlen_tiles.py runs it compiled, with gradients.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from attngen import targets
+
+    api.register()
+    monkeypatch.setattr(targets, "device_target", lambda device: targets.target("sm_90a"))
+    varlen._per_sequence_spec.cache_clear()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def layer(q, k, v, cu_q, cu_k):
+        return varlen.attention_varlen(q, k, v, cu_q, cu_k, mask="causal") * 2
+
+    def op_keys(gm):
+        return [str(n.args[3]) for n in gm.graph.nodes if n.op == "call_function" and "attngen" in str(n.target)]
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            q = torch.empty(40, 8, 128, dtype=torch.bfloat16, device="cuda")
+            k = torch.empty(40, 2, 128, dtype=torch.bfloat16, device="cuda")
+            cu = torch.empty(4, dtype=torch.int32, device="cuda")
+            assert torch.compile(layer, backend=backend, fullgraph=True)(q, k, k, cu, cu).shape == q.shape
+            (key,) = op_keys(graphs[-1])
+            assert '"varlen":true' in key and '"mask":"causal"' in key
+    finally:
+        varlen._per_sequence_spec.cache_clear()
+        torch._dynamo.reset()
