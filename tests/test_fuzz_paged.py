@@ -33,7 +33,7 @@ def _reference_decode(q, k_cache, v_cache, cache_seqlens, *, page_table, spec, n
 
 
 def test_the_pool_is_the_decode_family_problems_without_packed_sequences():
-    assert len(SPECS) >= 20 and all(not s.varlen and s.family is None for s in SPECS)
+    assert len(SPECS) >= 20 and all(not s.varlen and s.family in (None, "decode_sm80") for s in SPECS)
     assert {"causal", "none"} <= {s.mask for s in SPECS} and any(s.sink for s in SPECS)
     assert any("block_mask_state" in s.mask for s in SPECS) and any(s.score_mod for s in SPECS)
 
@@ -113,3 +113,17 @@ def test_bad_cases_are_refused_by_name(field, value, message):
 
     with pytest.raises(ValueError, match=re.escape(message)):
         dataclasses.replace(CASE, **{field: value})
+
+
+def test_the_decode_pool_also_fuzzes_the_tma_loads_on_sm90():
+    """decode_specs: every decode-capable pool problem unpinned (the default, cp.async loads) and, on
+    sm_90, every TMA_EVERY-th of them pinned to decode_sm80's TMA loads; none of those on sm_80."""
+    from attngen import targets
+    from attngen.fuzz.paged import TMA_EVERY, decode_specs
+
+    hopper, ampere = decode_specs(targets.target("sm_90a")), decode_specs(targets.target("sm_80"))
+    pinned = [spec for spec in hopper if spec.family]
+    assert [spec for spec in hopper if not spec.family] == ampere
+    assert len(pinned) == -(-len(ampere) // TMA_EVERY)
+    assert all(spec.family == "decode_sm80" and dict(spec.config) == {"loads": "tma"} for spec in pinned)
+    assert {spec.replace(family=None, config={}) for spec in pinned} <= set(ampere)

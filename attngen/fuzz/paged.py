@@ -222,16 +222,24 @@ def decode_input_digest(case: DecodeCase) -> str:
     return digest.hexdigest()
 
 
+TMA_EVERY = 3  # on sm_90+, every third problem also runs pinned to decode_sm80's TMA loads
+
+
 def decode_specs(target) -> list[AttentionSpec]:
     """The built-in pool's problems (attngen/fuzz/pool.py) a decode family runs on `target`, unpinned
-    (attngen.decode picks the family): packed sequences are the forward's."""
+    (attngen.decode picks the family; packed sequences are the forward's); on sm_90 and newer, every
+    TMA_EVERY-th of them also pinned to decode_sm80 with `loads: tma` (the default loads by cp.async)."""
     from attngen import families
     from attngen.fuzz.case import is_packed
     from attngen.fuzz.pool import PROBLEMS
 
     specs = [AttentionSpec(**dataclasses.asdict(problem)) for problem in PROBLEMS if not problem.varlen]
-    return [spec for spec in specs if not is_packed(spec) and any(
+    specs = [spec for spec in specs if not is_packed(spec) and any(
         family.supports(spec.problem, target) is None for family in families.DECODE_FAMILIES.values())]
+    decode = families.DECODE_FAMILIES["decode_sm80"]
+    tma = [spec.replace(family="decode_sm80", config={"loads": "tma"}) for spec in specs[::TMA_EVERY]
+           if target.cc >= 90 and decode.supports(spec.problem, target) is None]
+    return specs + tma
 
 
 @dataclass(frozen=True)
