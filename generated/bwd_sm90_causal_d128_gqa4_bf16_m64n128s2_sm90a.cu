@@ -370,6 +370,12 @@ constexpr bool LISTED = false;
 template <class P>
 __device__ __forceinline__ const int* key_blocks(int, int, int, int, int, const P&) { return nullptr; }
 
+// ROW_INTERVAL: the keys row q sees are one interval, exactly [kv_begin, kv_end) of bounds(q, q + 1)
+// (true of every closed form: tests/test_masks.py holds them to the dense mask row by row), so a
+// kernel masks an element with two compares against its row's limits instead of the predicate, whose
+// 64-bit arithmetic and guarded evaluation cost ~80 cycles an element on the H100 (docs/perf-notes.md).
+constexpr bool ROW_INTERVAL = true;
+
 // shown(): the element predicate a kernel applies to a block it masks. Under LISTED a block the
 // table classified full is masked only for its keys past Sk (a ragged last block), and any other
 // applies plan.partial_visible: the mask itself, or what it reduces to on every block the table can

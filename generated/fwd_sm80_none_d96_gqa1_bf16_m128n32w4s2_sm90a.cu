@@ -223,6 +223,12 @@ constexpr bool LISTED = false;
 template <class P>
 __device__ __forceinline__ const int* key_blocks(int, int, int, int, int, const P&) { return nullptr; }
 
+// ROW_INTERVAL: the keys row q sees are one interval, exactly [kv_begin, kv_end) of bounds(q, q + 1)
+// (true of every closed form: tests/test_masks.py holds them to the dense mask row by row), so a
+// kernel masks an element with two compares against its row's limits instead of the predicate, whose
+// 64-bit arithmetic and guarded evaluation cost ~80 cycles an element on the H100 (docs/perf-notes.md).
+constexpr bool ROW_INTERVAL = true;
+
 // shown(): the element predicate a kernel applies to a block it masks. Under LISTED a block the
 // table classified full is masked only for its keys past Sk (a ragged last block), and any other
 // applies plan.partial_visible: the mask itself, or what it reduces to on every block the table can
@@ -571,17 +577,43 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                 // Whether the table classified the block full (masked then only for keys past Sk).
                 const bool full_block = listed != nullptr ? (listed[it] & 1) != 0 : n0 >= full_lo && n0 < full_hi;
                 const int q0 = m0 + warp * WARP_ROWS + g, k0 = n0 + 2 * t;  // this lane's first element
+                if constexpr (mask::ROW_INTERVAL) {
+                    // Each of this lane's rows sees keys [lo, hi) (relative to k0): every element
+                    // compares its compile-time column offset, with no branch (mask.cuh.j2).
+                    int lo[MT][2], hi[MT][2];
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
+                    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
-                            // Rows past Sq are never stored; skipping them keeps input reads in bounds.
-                            if (!(k < Sk && q < Sq && mask::shown(q, k, Sq, Sk, batch, head, full_block, p)))
-                                s_acc[mt][nt][i] = NEG_INF;
+                        for (int h = 0; h < 2; ++h) {
+                            const int q = q0 + mt * 16 + 8 * h;
+                            const mask::Bounds row = mask::bounds(q, q + 1, Sq, Sk, batch, head, p);
+                            lo[mt][h] = row.kv_begin - k0;
+                            hi[mt][h] = row.kv_end - k0;  // <= Sk - k0: keys past Sk are masked too
                         }
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                const int c = nt * 8 + (i % 2);
+                                const bool shown = c >= lo[mt][i / 2] && c < hi[mt][i / 2];
+                                s_acc[mt][nt][i] = shown ? s_acc[mt][nt][i] : NEG_INF;
+                            }
+                    (void)full_block;
+                } else {
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
+                                // Rows past Sq are never stored; skipping them keeps input reads in bounds.
+                                if (!(k < Sk && q < Sq && mask::shown(q, k, Sq, Sk, batch, head, full_block, p)))
+                                    s_acc[mt][nt][i] = NEG_INF;
+                            }
+                }
             }
 
             // Online softmax in the log2 domain; a row whose max is still -inf uses 0 as its

@@ -318,6 +318,12 @@ constexpr bool LISTED = false;
 template <class P>
 __device__ __forceinline__ const int* key_blocks(int, int, int, int, int, const P&) { return nullptr; }
 
+// ROW_INTERVAL: the keys row q sees are one interval, exactly [kv_begin, kv_end) of bounds(q, q + 1)
+// (true of every closed form: tests/test_masks.py holds them to the dense mask row by row), so a
+// kernel masks an element with two compares against its row's limits instead of the predicate, whose
+// 64-bit arithmetic and guarded evaluation cost ~80 cycles an element on the H100 (docs/perf-notes.md).
+constexpr bool ROW_INTERVAL = true;
+
 // shown(): the element predicate a kernel applies to a block it masks. Under LISTED a block the
 // table classified full is masked only for its keys past Sk (a ragged last block), and any other
 // applies plan.partial_visible: the mask itself, or what it reduces to on every block the table can
@@ -585,6 +591,40 @@ __device__ __forceinline__ Tile varlen_tile(const Params&, int) { return {}; }
 __device__ __forceinline__ int varlen_tiles(const Params&) { return 0; }
 #endif
 
+// A development timeline (bench/tile_timeline.py defines ATTNGEN_TRACE): per CTA, consumer warpgroup
+// and tile, the SM clock at TRACE_EVENTS points of the tile, its key-block count and the SM.
+#ifdef ATTNGEN_TRACE
+constexpr int TRACE_CTAS = 1024, TRACE_TILES = 32, TRACE_EVENTS = 16;
+__device__ long long attngen_trace[TRACE_CTAS][3][TRACE_TILES][TRACE_EVENTS];  // warpgroups 0, 1; 2: the producer
+// The clock once every score is computed (the stamp waits for them).
+template <int N>
+__device__ __forceinline__ long long fence_clock(const float (&s)[N]) {
+    float x = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) x += s[i];
+    long long c;
+    asm volatile("add.f32 %1, %1, 0f00000000;\n\tmov.u64 %0, %%clock64;\n" : "=l"(c), "+f"(x));
+    return c;
+}
+__device__ __forceinline__ int smid() {
+    int id;
+    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
+    return id;
+}
+__device__ __forceinline__ void trace(int wg, int j, int event, long long value = -1) {
+    if (threadIdx.x % WG_THREADS == 0 && blockIdx.x < TRACE_CTAS && wg < 3 && j < TRACE_TILES)
+        attngen_trace[blockIdx.x][wg][j][event] = value < 0 ? clock64() : value;
+}
+#else
+__device__ __forceinline__ void trace(int, int, int, long long = -1) {}
+__device__ __forceinline__ int smid() { return 0; }
+template <int N>
+__device__ __forceinline__ long long fence_clock(const float (&)[N]) { return 0; }
+#endif
+enum TraceEvent { TILE_WAIT, TILE_READY, Q_READY, FIRST_SOFTMAX, LAST_PV, STORED, KEY_BLOCKS, SM, K0_READY, TURN0,
+                  S0_READY, Q_ISSUED, K0_ISSUED, V0_ISSUED, S0_MASKED };
+constexpr int TRACE_PRODUCER = 2;
+
 __device__ __forceinline__ int blocks_per_head(const Params& p) {
     return PAIRS ? (p.m_blocks + 1) & ~1 : p.m_blocks;
 }
@@ -698,6 +738,7 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
             for (int c = 0; c < CHUNKS; ++c)
                 tma_load(sQ + qb * Q_BYTES + c * Q_CHUNK, &p.tmap_q, q_full, c * 64, first_row(tile) + m0,
                          tile.head, tile.batch);
+            trace(TRACE_PRODUCER, j, Q_ISSUED);
         }
 #pragma unroll 1
         for (int it = 0; it < b.count(); ++it, ++g) {
@@ -713,6 +754,7 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
                 for (int c = 0; c < CHUNKS; ++c)
                     tma_load(sK + stage * KV_BYTES + c * KV_CHUNK, &p.tmap_k, k_full, c * 64, first_key(tile) + n0,
                              kv_head, tile.batch);
+                if (it == 0) trace(TRACE_PRODUCER, j, K0_ISSUED);
             }
             mbar_wait(smem_u32(&pipe.v_empty[stage]), phase ^ 1);
             if (leader) {
@@ -722,6 +764,7 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
                 for (int c = 0; c < CHUNKS; ++c)
                     tma_load(sV + stage * KV_BYTES + c * KV_CHUNK, &p.tmap_v, v_full, c * 64, first_key(tile) + n0,
                              kv_head, tile.batch);
+                if (it == 0) trace(TRACE_PRODUCER, j, V0_ISSUED);
             }
         }
         t = next;
@@ -753,12 +796,31 @@ __device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&pf)[PK]
 __device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0, bool full_block, const Params& p,
                                            const Tile& tile, int lane) {
     const int k0 = n0 + 2 * (lane % 4), sq = seq_q(p, tile), sk = seq_k(p, tile);
+    if constexpr (mask::ROW_INTERVAL) {
+        // Each of this thread's two rows sees keys [lo, hi), taken relative to k0 so that every
+        // element compares its compile-time column offset: two compares and a select, no branch.
+        int lo[2], hi[2];
 #pragma unroll
-    for (int i = 0; i < S_REGS; ++i) {
-        const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
-        // Rows past Sq are never stored; skipping them keeps input reads in bounds.
-        if (!(k < sk && q < sq && mask::shown(q, k, sq, sk, tile.batch, tile.head, full_block, p)))
-            s[i] = NEG_INF;
+        for (int h = 0; h < 2; ++h) {
+            const int q = row0 + 8 * h;
+            const mask::Bounds row = mask::bounds(q, q + 1, sq, sk, tile.batch, tile.head, p);
+            lo[h] = row.kv_begin - k0;
+            hi[h] = row.kv_end - k0;  // <= Sk - k0: keys past Sk are masked too
+        }
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i) {
+            const int h = (i >> 1) & 1, c = 8 * (i >> 2) + (i & 1);
+            s[i] = c >= lo[h] && c < hi[h] ? s[i] : NEG_INF;
+        }
+        (void)full_block;
+    } else {
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i) {
+            const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
+            // Rows past Sq are never stored; skipping them keeps input reads in bounds.
+            if (!(k < sk && q < sq && mask::shown(q, k, sq, sk, tile.batch, tile.head, full_block, p)))
+                s[i] = NEG_INF;
+        }
     }
 }
 
@@ -878,7 +940,7 @@ __device__ __forceinline__ void store_rows(const Params& p, u32 q_rows, const Ti
 
 // One tile of one consumer warpgroup: g is the ring position of its first K/V block.
 __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u32 q_tile, u32 sK, u32 sV,
-                                             const Blocks& b, const Tile& tile, int g, bool last_turns, int wg) {
+                                             const Blocks& b, const Tile& tile, int g, bool last_turns, int wg, int j) {
     const int tid = threadIdx.x % WG_THREADS, warp = tid / 32, lane = tid % 32;
     const int m0 = tile.m_block * BLOCK_M;
     const int row0 = m0 + wg * 64 + warp * 16 + lane / 4;  // this thread's rows: row0 and row0 + 8
@@ -911,18 +973,26 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
             // Block 0's scores, then each step issues S(it) and P(it-1) V(it-1) together and runs
             // the softmax of block it while P V runs.
             wait_k(0);
+            trace(wg, j, K0_READY);
             turns.begin();
+            trace(wg, j, TURN0);
             issue_qk(s, q_rows, k_tile(0));
             turns.end(false);
             wgmma_wait<0>();
             fence_regs(s);
+            trace(wg, j, S0_READY);
             release_k(0);
+#ifdef ATTNGEN_TRACE_NO_FIRST_MASK
+            if (false)
+#endif
             prepare_scores(s, row0, b, 0, p, tile, lane);
+            trace(wg, j, S0_MASKED, fence_clock(s));
             softmax_step(s, row_max, row_sum, alpha, score_log2(p));
             to_operand(pf, s);
 #ifdef ATTNGEN_DROPOUT
             drop(pf, rng, tile, row_base, b.key0(0));
 #endif
+            trace(wg, j, FIRST_SOFTMAX);
 #pragma unroll 1
             for (int it = 1; it < n; ++it) {
                 wait_k(it);
@@ -952,6 +1022,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u3
             wgmma_wait<0>();
             fence_regs(o);
             release_v(n - 1);
+            trace(wg, j, LAST_PV);
         } else {
 #pragma unroll 1
             for (int it = 0; it < n; ++it) {
@@ -1030,6 +1101,7 @@ __device__ __forceinline__ void consume(const Params& p, Pipeline& pipe, u32 sQ,
     for (int j = 0;; ++j) {
         const int qb = j % Q_BUFFERS;
         int t;
+        trace(wg, j, TILE_WAIT);
         if constexpr (DYNAMIC) {
             mbar_wait(smem_u32(&pipe.tile_full), j & 1);
             t = pipe.tile;
@@ -1039,11 +1111,16 @@ __device__ __forceinline__ void consume(const Params& p, Pipeline& pipe, u32 sQ,
             t = tile_index(j, tiles);
             if (t >= tiles) break;
         }
-        mbar_wait(smem_u32(&pipe.q_full[qb]), (j / Q_BUFFERS) & 1);
         const Tile tile = tile_of(p, t);
         const Blocks b = kv_blocks(p, tile);
         const bool last_turns = PINGPONG && !DYNAMIC && b.count() > 0 && !more_work(p, j, tiles);
-        consume_tile(p, pipe, sQ + qb * Q_BYTES, sK, sV, b, tile, g, last_turns, wg);
+        trace(wg, j, TILE_READY);
+        mbar_wait(smem_u32(&pipe.q_full[qb]), (j / Q_BUFFERS) & 1);
+        trace(wg, j, Q_READY);
+        consume_tile(p, pipe, sQ + qb * Q_BYTES, sK, sV, b, tile, g, last_turns, wg, j);
+        trace(wg, j, STORED);
+        trace(wg, j, KEY_BLOCKS, b.count());
+        trace(wg, j, SM, smid());
         g += b.count();
         // This warpgroup's output has left the Q buffer: the producer may refill it.
         if (tid == 0) mbar_arrive(smem_u32(&pipe.q_empty[qb]));

@@ -70,6 +70,36 @@ def test_closed_forms_agree_with_the_generic_scan_where_it_matters(text, Sq, Sk,
     assert blocks(closed) == blocks(scanned)
 
 
+CLOSED_FORMS_AND_CONJUNCTIONS = CLOSED_FORM_MASKS | st.sampled_from(CONJUNCTIONS) | st.builds(
+    "{} and {}".format, CLOSED_FORM_MASKS, CLOSED_FORM_MASKS)
+
+
+@settings(max_examples=400, deadline=None)
+@given(CLOSED_FORMS_AND_CONJUNCTIONS, st.integers(1, 300), st.integers(1, 300))
+def test_closed_forms_of_one_row_are_exactly_its_visible_keys(text, Sq, Sk):
+    """mask.cuh.j2 ROW_INTERVAL: a kernel masks an element of row q by [kv_begin, kv_end) of
+    bounds(q, q + 1) alone, so every row's visible keys must be exactly that interval."""
+    mask = masks.get_mask(text)
+    assert mask.closed is not None, text
+    dense = _dense(mask, Sq, Sk)
+    keys = torch.arange(Sk)
+    for q in range(Sq):
+        kv_begin, kv_end, _, _ = mask.closed_bounds(q, q + 1, Sq, Sk)
+        interval = (keys >= kv_begin) & (keys < kv_end)
+        assert torch.equal(dense[q], interval), f"{text}: row {q} of ({Sq}, {Sk}) is not [{kv_begin}, {kv_end})"
+
+
+def test_only_closed_forms_mask_by_row_intervals():
+    """The template's ROW_INTERVAL flag follows the closed form: a mask without one keeps its predicate."""
+    target = targets.target("sm_90a")
+    family = families.get_family("fwd_sm90")
+    for text, expected in (("causal", "true"), ("sliding_window(64, 0) and causal", "true"),
+                           ("none", "true"), ("kv_idx % 3 != 1 or q_idx == kv_idx", "false")):
+        problem = AttentionSpec(head_dim=64, mask=text).problem
+        source = family.render(family.plan(problem, target, family.default_config(problem, target)))
+        assert f"constexpr bool ROW_INTERVAL = {expected};" in source, text
+
+
 def test_conjunctions_of_built_ins_are_stored_sorted_with_closed_forms():
     a, b = masks.get_mask("chunked(8192) and causal"), masks.get_mask("causal  and chunked( 8192 )")
     assert a.text == b.text == "causal and chunked(8192)" and a.slug == b.slug and a.closed is not None

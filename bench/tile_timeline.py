@@ -1,0 +1,143 @@
+"""Where a fwd_sm90 tile's time goes beyond its key blocks (docs/perf-notes.md, "Per-tile cost"), on
+the GPU: every fwd_sm90 kernel of this process is built with ATTNGEN_TRACE, which stamps the SM clock
+at each tile's phases (flash_fwd_sm90.cuh `trace`), and each case's last call is read back.
+
+  PYTHONPATH=. python bench/tile_timeline.py [CASE ...]
+
+Per case and consumer warpgroup, clocks summed over the traced tiles: waiting for the tile's number
+(the schedule), reading its place and bounds, waiting for its Q, the first block (S, softmax: the
+overlap's prologue), the other blocks, the epilogue (last P V waited for, normalise, store), and the
+gap to the next tile; then per block of the steady loop, and the fixed cost of a tile in blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+EVENTS = ["TILE_WAIT", "TILE_READY", "Q_READY", "FIRST_SOFTMAX", "LAST_PV", "STORED", "KEY_BLOCKS", "SM", "K0_READY",
+          "TURN0", "S0_READY", "Q_ISSUED", "K0_ISSUED", "V0_ISSUED", "S0_MASKED"]
+E = {name: i for i, name in enumerate(EVENTS)}
+SHAPE = (1024, 3, 32, 16)  # flash_fwd_sm90.cuh attngen_trace: [cta][warpgroup 0, 1, producer][tile][event]
+
+
+def cases(torch, attngen):
+    from attngen.bench_masks import _document_ids
+
+    def dense(batch, seqlen, heads, head_dim, mask):
+        q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        return lambda: attngen.attention(q, k, v, mask=mask)
+
+    def documents():
+        q, k, v = (torch.randn(16384, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        _, lengths = _document_ids()
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32).cuda()
+        return lambda: attngen.attention_varlen(q, k, v, cu, cu, mask="causal")
+
+    return {
+        "documents": documents,
+        "window4096-16k": lambda: dense(1, 16384, 16, 128, "sliding_window(4095, 0)"),
+        "d128-causal-16k": lambda: dense(1, 16384, 16, 128, "causal"),
+        "d128-causal-2k": lambda: dense(8, 2048, 16, 128, "causal"),
+        "d128-none-2k": lambda: dense(8, 2048, 16, 128, "none"),
+        "d64-causal-2k": lambda: dense(8, 2048, 32, 64, "causal"),
+    }
+
+
+NO_MASK = os.environ.get("NO_FIRST_MASK") == "1"  # timing only: the first block's mask left out (wrong results)
+
+
+def traced_render(family):
+    render = family.render
+
+    def render_with_trace(plan):
+        defines = "#define ATTNGEN_TRACE 1\n" + ("#define ATTNGEN_TRACE_NO_FIRST_MASK 1\n" if NO_MASK else "")
+        return defines + render(plan)
+
+    family.render = render_with_trace
+
+
+def trace_view(cupy, kernel):
+    """The kernel's fa90::attngen_trace array [cta, warpgroup, tile, event] on the device (its mangled name)."""
+    return cupy.ndarray(SHAPE, cupy.int64, memptr=kernel._module._module.get_global("_ZN4fa9013attngen_traceE"))
+
+
+def summarise(name: str, trace: np.ndarray, ms: float) -> None:
+    lines = [f"{name}: call {ms:.3f} ms"]
+    for wg in range(2):
+        t = trace[:, wg]  # [cta, tile, event]
+        done = (t[..., E["STORED"]] > 0) & (t[..., E["KEY_BLOCKS"]] > 0)
+        if not done.any():
+            continue
+        n = t[..., E["KEY_BLOCKS"]][done]
+        phases = {
+            "schedule": t[..., E["TILE_READY"]] - t[..., E["TILE_WAIT"]],
+            "q": t[..., E["Q_READY"]] - t[..., E["TILE_READY"]],
+            "k0": t[..., E["K0_READY"]] - t[..., E["Q_READY"]],
+            "turn0": t[..., E["TURN0"]] - t[..., E["K0_READY"]],
+            "s0": t[..., E["S0_READY"]] - t[..., E["TURN0"]],
+            "mask0": t[..., E["S0_MASKED"]] - t[..., E["S0_READY"]],
+            "softmax0": t[..., E["FIRST_SOFTMAX"]] - t[..., E["S0_MASKED"]],
+            "other blocks": t[..., E["LAST_PV"]] - t[..., E["FIRST_SOFTMAX"]],
+            "epilogue": t[..., E["STORED"]] - t[..., E["LAST_PV"]],
+        }
+        producer = trace[:, 2]
+        k0_load = (t[..., E["K0_READY"]] - producer[..., E["K0_ISSUED"]])[done & (producer[..., E["K0_ISSUED"]] > 0)]
+        k0_early = (t[..., E["Q_READY"]] - producer[..., E["K0_ISSUED"]])[done & (producer[..., E["K0_ISSUED"]] > 0)]
+        sums = {k: float(v[done].sum()) for k, v in phases.items()}
+        # The gap from a tile's end to the next one's start on the same CTA (persistent schedules).
+        nxt = np.zeros_like(done)
+        nxt[:, :-1] = done[:, :-1] & done[:, 1:]
+        gap = (t[:, 1:, E["TILE_WAIT"]] - t[:, :-1, E["STORED"]])[nxt[:, :-1]]
+        steady = sums["other blocks"] / max(float((n - 1).sum()), 1.0)
+        total = sum(sums.values()) + float(gap.sum())
+        fixed = (total - steady * float(n.sum())) / len(n)
+        if wg == 0 and not done[:, 1:].any():  # one tile per CTA: the gap between CTAs on an SM
+            starts, ends, sms = t[:, 0, E["TILE_WAIT"]], t[:, 0, E["STORED"]], t[:, 0, E["SM"]]
+            cta_gaps = []
+            for sm in np.unique(sms[done[:, 0]]):
+                order = np.argsort(starts[(sms == sm) & done[:, 0]])
+                s_, e_ = starts[(sms == sm) & done[:, 0]][order], ends[(sms == sm) & done[:, 0]][order]
+                cta_gaps.extend((s_[1:] - e_[:-1]).tolist())
+            gap = np.array(cta_gaps, dtype=np.int64)
+            total = sum(sums.values()) + float(gap.sum())
+            fixed = (total - steady * float(n.sum())) / len(n)
+        lines.append(f"  wg{wg}: {len(n)} tiles, {n.mean():.1f} blocks each, {steady:.0f} clk per steady block; "
+                     f"per tile (clk): " + ", ".join(f"{k} {v / len(n):.0f}" for k, v in sums.items())
+                     + f", gap {gap.mean() if len(gap) else 0:.0f}; fixed {fixed:.0f} clk = {fixed / steady:.2f} blocks"
+                     + f"; K0 issued {k0_early.mean():.0f} clk before Q ready, ready {k0_load.mean():.0f} after issue")
+    print("\n".join(lines), flush=True)
+
+
+def main(names: list[str]) -> None:
+    import cupy
+    import torch
+
+    import attngen
+    from attngen import families
+    from attngen.bench import time_ms
+    from attngen.runtime import dispatch
+
+    traced_render(families.get_family("fwd_sm90"))
+    torch.manual_seed(0)
+    table = cases(torch, attngen)
+    with torch.no_grad():
+        for name in names or list(table):
+            fn = table[name]()
+            ms = time_ms(lambda: fn(), [()], warmup=3, repeats=20)
+            used = [k for k in dispatch._kernels.values() if k.plan.family == "fwd_sm90"]
+            for kernel in used:
+                trace_view(cupy, kernel).fill(0)
+            torch.cuda.synchronize()
+            fn()
+            torch.cuda.synchronize()
+            for kernel in used:
+                trace = trace_view(cupy, kernel).get()
+                if (trace[..., E["STORED"]] > 0).any():
+                    summarise(f"{name} ({kernel.plan.name})", trace, ms)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
