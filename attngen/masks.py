@@ -224,6 +224,38 @@ def _lower(text: str) -> MaskLowering:
                         program.cuda_classify(input_ref, span_ref), maskc.cuda_preamble(), closed, program)
 
 
+# The square problems causal_shaped() looks at (up to a million positions: a literal in a mask, such as
+# a window's width, changes its shape only past that many), and the 128-row blocks it checks in each.
+SHAPE_MODEL_LENGTHS = (2048, 16384, 131072, 1 << 20)
+SHAPE_MODEL_BLOCK = 128
+
+
+@functools.lru_cache(maxsize=256)
+def causal_shaped(text: str) -> bool:
+    """Whether a mask that reads no runtime input provably has causal's block structure on square
+    problems: for each checked query block, every key before it visible (full), every key after it
+    hidden (empty) and its diagonal block partial, as the classifier's interval arithmetic shows it
+    (e.g. `q_idx >= kv_idx`). Such a mask's tiles have causal's lengths, so a family may schedule
+    them as causal's; the choice affects speed only (docs/perf-notes.md "Per-tile cost")."""
+    from attngen.maskc.ir import Var, walk
+
+    mask = get_mask(text)
+    if mask.text in ("causal", "none") or mask.program.inputs:
+        return mask.text == "causal"
+    if any(isinstance(node, Var) and node.name in ("b", "h") for node in walk(mask.program.ir)):
+        return False  # its shape may change from one batch or head to the next
+    block = SHAPE_MODEL_BLOCK
+    for n in SHAPE_MODEL_LENGTHS:
+        last = n - block
+        for m0 in sorted({0, block, n // 2, last - block, last}):
+            m1 = m0 + block
+            classify = functools.partial(mask.program.classify, m0, m1 - 1, q_len=n, kv_len=n)
+            if classify(m0, m1 - 1) != "partial" or (m0 > 0 and classify(0, m0 - 1) != "full") \
+                    or (m1 < n and classify(m1, n - 1) != "empty"):
+                return False
+    return True
+
+
 def mask_problem(problem, per_sequence_tiles: bool = False) -> str | None:
     """Why a problem's mask cannot be lowered (None when it can): for a family's supports(). A varlen
     problem (packed sequences) needs a family whose tiles follow the sequences (per_sequence_tiles)."""

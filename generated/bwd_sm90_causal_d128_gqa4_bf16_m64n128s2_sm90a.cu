@@ -375,6 +375,9 @@ __device__ __forceinline__ const int* key_blocks(int, int, int, int, int, const 
 // kernel masks an element with two compares against its row's limits instead of the predicate, whose
 // 64-bit arithmetic and guarded evaluation cost ~80 cycles an element on the H100 (docs/perf-notes.md).
 constexpr bool ROW_INTERVAL = true;
+// PURE: the element predicate reads no runtime input, so a kernel may evaluate it for any position
+// and select (no branch around it); one that reads inputs is evaluated in bounds only.
+constexpr bool PURE = true;
 
 // shown(): the element predicate a kernel applies to a block it masks. Under LISTED a block the
 // table classified full is masked only for its keys past Sk (a ragged last block), and any other

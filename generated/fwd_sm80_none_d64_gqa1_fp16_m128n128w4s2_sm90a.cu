@@ -228,6 +228,9 @@ __device__ __forceinline__ const int* key_blocks(int, int, int, int, int, const 
 // kernel masks an element with two compares against its row's limits instead of the predicate, whose
 // 64-bit arithmetic and guarded evaluation cost ~80 cycles an element on the H100 (docs/perf-notes.md).
 constexpr bool ROW_INTERVAL = true;
+// PURE: the element predicate reads no runtime input, so a kernel may evaluate it for any position
+// and select (no branch around it); one that reads inputs is evaluated in bounds only.
+constexpr bool PURE = true;
 
 // shown(): the element predicate a kernel applies to a block it masks. Under LISTED a block the
 // table classified full is masked only for its keys past Sk (a ragged last block), and any other
@@ -598,6 +601,18 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                             for (int i = 0; i < 4; ++i) {
                                 const int c = nt * 8 + (i % 2);
                                 const bool shown = c >= lo[mt][i / 2] && c < hi[mt][i / 2];
+                                s_acc[mt][nt][i] = shown ? s_acc[mt][nt][i] : NEG_INF;
+                            }
+                    (void)full_block;
+                } else if constexpr (mask::PURE) {
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
+                                const bool shown = (k < Sk) & (q < Sq) & mask::visible(q, k, Sq, Sk, batch, head, p);
                                 s_acc[mt][nt][i] = shown ? s_acc[mt][nt][i] : NEG_INF;
                             }
                     (void)full_block;

@@ -339,6 +339,9 @@ __device__ __forceinline__ const int* key_blocks(int, int, int, int, int, const 
 // kernel masks an element with two compares against its row's limits instead of the predicate, whose
 // 64-bit arithmetic and guarded evaluation cost ~80 cycles an element on the H100 (docs/perf-notes.md).
 constexpr bool ROW_INTERVAL = false;
+// PURE: the element predicate reads no runtime input, so a kernel may evaluate it for any position
+// and select (no branch around it); one that reads inputs is evaluated in bounds only.
+constexpr bool PURE = false;
 
 // shown(): the element predicate a kernel applies to a block it masks. Under LISTED a block the
 // table classified full is masked only for its keys past Sk (a ragged last block), and any other
@@ -987,6 +990,14 @@ __device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0,
         for (int i = 0; i < S_REGS; ++i) {
             const int h = (i >> 1) & 1, c = 8 * (i >> 2) + (i & 1);
             s[i] = c >= lo[h] && c < hi[h] ? s[i] : NEG_INF;
+        }
+        (void)full_block;
+    } else if constexpr (mask::PURE) {
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i) {
+            const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
+            const bool shown = (k < sk) & (q < sq) & mask::visible(q, k, sq, sk, tile.batch, tile.head, p);
+            s[i] = shown ? s[i] : NEG_INF;
         }
         (void)full_block;
     } else {

@@ -6,6 +6,8 @@ compiles for both families."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -138,3 +140,28 @@ def test_compiled_masks_render_and_compile_for_every_family(family, text):
     assert ("classify(" in source) == (masks.get_mask(spec.mask).closed is None) and text not in source
     report = nvcc.check_plan(plan)
     assert report.spill_bytes == 0, report
+
+
+@pytest.mark.parametrize("text, shaped", [
+    ("causal", True), ("q_idx >= kv_idx", True), ("not (kv_idx > q_idx)", True), ("kv_idx < q_idx", True),
+    ("q_idx >= kv_idx and q_idx - kv_idx < 10000000", True), ("prefix_lm(16)", True),
+    ("none", False), ("sliding_window(100, 0)", False), ("kv_idx <= q_idx + 1", False),
+    ("q_idx >= kv_idx and q_idx - kv_idx < 4096", False),  # a window at 16k: shorter tiles
+    ("h == 1 or kv_idx <= q_idx", False),  # another shape on head 1
+    ("kv_idx % 3 != 1 or q_idx == kv_idx", False), ("doc[q_idx] == doc[kv_idx] and kv_idx <= q_idx", False),
+])
+def test_causal_shaped_masks_are_those_with_causal_tiles(text, shaped):
+    assert masks.causal_shaped(masks.canonical(text)) is shaped
+
+
+def test_a_causal_shaped_expression_takes_causal_schedule_on_fwd_sm90():
+    """Its tile and stages stay the expression defaults' (register budget), its schedule is causal's."""
+    target = targets.target("sm_90a")
+    family = families.get_family("fwd_sm90")
+    for head_dim, gqa in ((64, 1), (128, 1), (128, 4), (256, 1)):
+        def config(mask):
+            problem = AttentionSpec(head_dim=head_dim, gqa_ratio=gqa, mask=mask).problem
+            return family.default_config(problem, target)
+        shaped, window, causal = config("q_idx >= kv_idx"), config("sliding_window(100, 0)"), config("causal")
+        assert shaped.schedule == causal.schedule
+        assert dataclasses.replace(shaped, schedule=window.schedule) == window

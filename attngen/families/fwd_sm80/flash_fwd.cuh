@@ -291,6 +291,18 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                                 s_acc[mt][nt][i] = shown ? s_acc[mt][nt][i] : NEG_INF;
                             }
                     (void)full_block;
+                } else if constexpr (mask::PURE) {
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
+                                const bool shown = (k < Sk) & (q < Sq) & mask::visible(q, k, Sq, Sk, batch, head, p);
+                                s_acc[mt][nt][i] = shown ? s_acc[mt][nt][i] : NEG_INF;
+                            }
+                    (void)full_block;
                 } else {
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt)

@@ -13,6 +13,7 @@ plans for the GPU it runs on.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -24,6 +25,7 @@ from typing import Any, Mapping
 import yaml
 
 from attngen import dropout, mask_table
+from attngen.masks import causal_shaped
 from attngen.codegen import render as codegen
 from attngen.codegen.abi import Abi, Param
 from attngen.dtypes import get_dtype
@@ -255,11 +257,15 @@ class Sm90Forward(KernelFamily):
         if problem.gqa_ratio > 1 and (problem.head_dim, f"{kind}_gqa") in table:
             kind = f"{kind}_gqa"
         choices = table[problem.head_dim, kind]
-        for config in choices:
-            if smem_bytes(config, problem.head_dim) <= target.smem_per_block \
-                    and not (problem.dropout_p and config.consumers > DROPOUT_CONSUMERS):
-                return config
-        return choices[-1]
+        config = next((c for c in choices if smem_bytes(c, problem.head_dim) <= target.smem_per_block
+                       and not (problem.dropout_p and c.consumers > DROPOUT_CONSUMERS)), choices[-1])
+        if kind == "expressions" and problem.score_mod is None and problem.sink is None \
+                and causal_shaped(problem.mask):
+            # Tiles of causal's lengths (`q_idx >= kv_idx`): causal's schedule, which beats the
+            # counter there (docs/perf-notes.md, "Per-tile cost"); the expression's tile and stages.
+            causal = self.default_config(dataclasses.replace(problem, mask="causal"), target)
+            config = dataclasses.replace(config, schedule=causal.schedule)
+        return config
 
     def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any]) -> Sm90Config:
         default = self.default_config(problem, target)

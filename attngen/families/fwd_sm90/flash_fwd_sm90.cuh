@@ -339,6 +339,14 @@ __device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0,
             s[i] = c >= lo[h] && c < hi[h] ? s[i] : NEG_INF;
         }
         (void)full_block;
+    } else if constexpr (mask::PURE) {
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i) {
+            const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
+            const bool shown = (k < sk) & (q < sq) & mask::visible(q, k, sq, sk, tile.batch, tile.head, p);
+            s[i] = shown ? s[i] : NEG_INF;
+        }
+        (void)full_block;
     } else {
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) {
