@@ -315,6 +315,15 @@ __device__ __forceinline__ bool shown(int q, int k, int Sq, int Sk, int batch, i
     return visible(q, k, Sq, Sk, batch, head, p);
 }
 
+// shown() where element (q, k) lies in [0, Sq) x [0, Sk), hidden elsewhere. A PURE predicate is
+// evaluated for every element and combined without a branch; one that reads inputs only in bounds.
+template <class P>
+__device__ __forceinline__ bool shown_in_bounds(int q, int k, int Sq, int Sk, int batch, int head, bool full_block,
+                                                const P& p) {
+    if constexpr (PURE) return (k < Sk) & (q < Sq) & shown(q, k, Sq, Sk, batch, head, full_block, p);
+    else return k < Sk && q < Sq && shown(q, k, Sq, Sk, batch, head, full_block, p);
+}
+
 
 // No closed form: kernels of this module ran first this call (below), so the bounds of each query
 // block are in p.mask_table (attngen/mask_table.py).
@@ -469,6 +478,13 @@ __device__ void build_table(const P& p) {
 
 }
 
+
+// ROW_INTERVAL masks: the keys row q sees, [x, y) (bounds over that one row, which are exact).
+template <class P>
+__device__ __forceinline__ int2 row_keys(int q, int Sq, int Sk, int batch, int head, const P& p) {
+    const Bounds row = bounds(q, q + 1, Sq, Sk, batch, head, p);
+    return make_int2(row.kv_begin, row.kv_end);
+}
 }  // namespace mask
 
 

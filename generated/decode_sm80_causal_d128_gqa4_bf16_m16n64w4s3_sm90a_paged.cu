@@ -363,12 +363,28 @@ __device__ __forceinline__ bool shown(int q, int k, int Sq, int Sk, int batch, i
     return visible(q, k, Sq, Sk, batch, head, p);
 }
 
+// shown() where element (q, k) lies in [0, Sq) x [0, Sk), hidden elsewhere. A PURE predicate is
+// evaluated for every element and combined without a branch; one that reads inputs only in bounds.
+template <class P>
+__device__ __forceinline__ bool shown_in_bounds(int q, int k, int Sq, int Sk, int batch, int head, bool full_block,
+                                                const P& p) {
+    if constexpr (PURE) return (k < Sk) & (q < Sq) & shown(q, k, Sq, Sk, batch, head, full_block, p);
+    else return k < Sk && q < Sq && shown(q, k, Sq, Sk, batch, head, full_block, p);
+}
+
 // Closed forms of the bounds (attngen/masks.py; tests hold them to the scan of masks.scan_bounds).
 template <class P>
 __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P&) {
     return {0, min(Sk, max(0, m1 + (Sk - Sq))), 0, min(Sk, max(0, m0 + 1 + (Sk - Sq)))};
 }
 
+
+// ROW_INTERVAL masks: the keys row q sees, [x, y) (bounds over that one row, which are exact).
+template <class P>
+__device__ __forceinline__ int2 row_keys(int q, int Sq, int Sk, int batch, int head, const P& p) {
+    const Bounds row = bounds(q, q + 1, Sq, Sk, batch, head, p);
+    return make_int2(row.kv_begin, row.kv_end);
+}
 }  // namespace mask
 
 

@@ -248,12 +248,28 @@ __device__ __forceinline__ bool shown(int q, int k, int Sq, int Sk, int batch, i
     return visible(q, k, Sq, Sk, batch, head, p);
 }
 
+// shown() where element (q, k) lies in [0, Sq) x [0, Sk), hidden elsewhere. A PURE predicate is
+// evaluated for every element and combined without a branch; one that reads inputs only in bounds.
+template <class P>
+__device__ __forceinline__ bool shown_in_bounds(int q, int k, int Sq, int Sk, int batch, int head, bool full_block,
+                                                const P& p) {
+    if constexpr (PURE) return (k < Sk) & (q < Sq) & shown(q, k, Sq, Sk, batch, head, full_block, p);
+    else return k < Sk && q < Sq && shown(q, k, Sq, Sk, batch, head, full_block, p);
+}
+
 // Closed forms of the bounds (attngen/masks.py; tests hold them to the scan of masks.scan_bounds).
 template <class P>
 __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P&) {
     return {0, min(Sk, max(0, m1 + (Sk - Sq))), 0, min(Sk, max(0, m0 + 1 + (Sk - Sq)))};
 }
 
+
+// ROW_INTERVAL masks: the keys row q sees, [x, y) (bounds over that one row, which are exact).
+template <class P>
+__device__ __forceinline__ int2 row_keys(int q, int Sq, int Sk, int batch, int head, const P& p) {
+    const Bounds row = bounds(q, q + 1, Sq, Sk, batch, head, p);
+    return make_int2(row.kv_begin, row.kv_end);
+}
 }  // namespace mask
 
 
@@ -588,10 +604,9 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
-                            const int q = q0 + mt * 16 + 8 * h;
-                            const mask::Bounds row = mask::bounds(q, q + 1, Sq, Sk, batch, head, p);
-                            lo[mt][h] = row.kv_begin - k0;
-                            hi[mt][h] = row.kv_end - k0;  // <= Sk - k0: keys past Sk are masked too
+                            const int2 keys = mask::row_keys(q0 + mt * 16 + 8 * h, Sq, Sk, batch, head, p);
+                            lo[mt][h] = keys.x - k0;
+                            hi[mt][h] = keys.y - k0;  // <= Sk - k0: keys past Sk are masked too
                         }
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt)
@@ -604,18 +619,6 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                                 s_acc[mt][nt][i] = shown ? s_acc[mt][nt][i] : NEG_INF;
                             }
                     (void)full_block;
-                } else if constexpr (mask::PURE) {
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                            for (int i = 0; i < 4; ++i) {
-                                const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
-                                const bool shown = (k < Sk) & (q < Sq) & mask::visible(q, k, Sq, Sk, batch, head, p);
-                                s_acc[mt][nt][i] = shown ? s_acc[mt][nt][i] : NEG_INF;
-                            }
-                    (void)full_block;
                 } else {
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt)
@@ -624,8 +627,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 #pragma unroll
                             for (int i = 0; i < 4; ++i) {
                                 const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
-                                // Rows past Sq are never stored; skipping them keeps input reads in bounds.
-                                if (!(k < Sk && q < Sq && mask::shown(q, k, Sq, Sk, batch, head, full_block, p)))
+                                // Rows past Sq are never stored; an input is read only in bounds.
+                                if (!mask::shown_in_bounds(q, k, Sq, Sk, batch, head, full_block, p))
                                     s_acc[mt][nt][i] = NEG_INF;
                             }
                 }

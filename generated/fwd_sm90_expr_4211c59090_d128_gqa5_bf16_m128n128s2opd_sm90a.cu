@@ -339,12 +339,28 @@ __device__ __forceinline__ bool shown(int q, int k, int Sq, int Sk, int batch, i
     return visible(q, k, Sq, Sk, batch, head, p);
 }
 
+// shown() where element (q, k) lies in [0, Sq) x [0, Sk), hidden elsewhere. A PURE predicate is
+// evaluated for every element and combined without a branch; one that reads inputs only in bounds.
+template <class P>
+__device__ __forceinline__ bool shown_in_bounds(int q, int k, int Sq, int Sk, int batch, int head, bool full_block,
+                                                const P& p) {
+    if constexpr (PURE) return (k < Sk) & (q < Sq) & shown(q, k, Sq, Sk, batch, head, full_block, p);
+    else return k < Sk && q < Sq && shown(q, k, Sq, Sk, batch, head, full_block, p);
+}
+
 // Closed forms of the bounds (attngen/masks.py; tests hold them to the scan of masks.scan_bounds).
 template <class P>
 __device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P&) {
     return {max(0, (int)maskc_max(0LL, maskc_min((long long)Sk, maskc_floordiv((long long)m0 + ((long long)Sk - Sq), 8192LL) * 8192LL))), min(min(Sk, max(0, m1 + (Sk - Sq))), (int)maskc_max(0LL, maskc_min((long long)Sk, (maskc_floordiv((long long)m1 - 1 + ((long long)Sk - Sq), 8192LL) + 1) * 8192LL))), max(0, (int)maskc_max(0LL, maskc_min((long long)Sk, maskc_floordiv((long long)m0 + ((long long)Sk - Sq), 8192LL) * 8192LL))), min(min(Sk, max(0, m0 + 1 + (Sk - Sq))), (int)maskc_max(0LL, maskc_min((long long)Sk, (maskc_floordiv((long long)m0 + ((long long)Sk - Sq), 8192LL) == maskc_floordiv((long long)m1 - 1 + ((long long)Sk - Sq), 8192LL) ? maskc_floordiv((long long)m0 + ((long long)Sk - Sq), 8192LL) + 1 : maskc_floordiv((long long)m0 + ((long long)Sk - Sq), 8192LL)) * 8192LL)))};
 }
 
+
+// ROW_INTERVAL masks: the keys row q sees, [x, y) (bounds over that one row, which are exact).
+template <class P>
+__device__ __forceinline__ int2 row_keys(int q, int Sq, int Sk, int batch, int head, const P& p) {
+    const Bounds row = bounds(q, q + 1, Sq, Sk, batch, head, p);
+    return make_int2(row.kv_begin, row.kv_end);
+}
 }  // namespace mask
 
 
@@ -753,10 +769,9 @@ __device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0,
         int lo[2], hi[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int q = row0 + 8 * h;
-            const mask::Bounds row = mask::bounds(q, q + 1, sq, sk, tile.batch, tile.head, p);
-            lo[h] = row.kv_begin - k0;
-            hi[h] = row.kv_end - k0;  // <= Sk - k0: keys past Sk are masked too
+            const int2 keys = mask::row_keys(row0 + 8 * h, sq, sk, tile.batch, tile.head, p);
+            lo[h] = keys.x - k0;
+            hi[h] = keys.y - k0;  // <= Sk - k0: keys past Sk are masked too
         }
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) {
@@ -764,21 +779,12 @@ __device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0,
             s[i] = c >= lo[h] && c < hi[h] ? s[i] : NEG_INF;
         }
         (void)full_block;
-    } else if constexpr (mask::PURE) {
-#pragma unroll
-        for (int i = 0; i < S_REGS; ++i) {
-            const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
-            const bool shown = (k < sk) & (q < sq) & mask::visible(q, k, sq, sk, tile.batch, tile.head, p);
-            s[i] = shown ? s[i] : NEG_INF;
-        }
-        (void)full_block;
     } else {
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) {
             const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
-            // Rows past Sq are never stored; skipping them keeps input reads in bounds.
-            if (!(k < sk && q < sq && mask::shown(q, k, sq, sk, tile.batch, tile.head, full_block, p)))
-                s[i] = NEG_INF;
+            // Rows past Sq are never stored; an input is read only in bounds.
+            if (!mask::shown_in_bounds(q, k, sq, sk, tile.batch, tile.head, full_block, p)) s[i] = NEG_INF;
         }
     }
 }

@@ -275,10 +275,9 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
-                            const int q = q0 + mt * 16 + 8 * h;
-                            const mask::Bounds row = mask::bounds(q, q + 1, Sq, Sk, batch, head, p);
-                            lo[mt][h] = row.kv_begin - k0;
-                            hi[mt][h] = row.kv_end - k0;  // <= Sk - k0: keys past Sk are masked too
+                            const int2 keys = mask::row_keys(q0 + mt * 16 + 8 * h, Sq, Sk, batch, head, p);
+                            lo[mt][h] = keys.x - k0;
+                            hi[mt][h] = keys.y - k0;  // <= Sk - k0: keys past Sk are masked too
                         }
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt)
@@ -291,18 +290,6 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                                 s_acc[mt][nt][i] = shown ? s_acc[mt][nt][i] : NEG_INF;
                             }
                     (void)full_block;
-                } else if constexpr (mask::PURE) {
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                            for (int i = 0; i < 4; ++i) {
-                                const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
-                                const bool shown = (k < Sk) & (q < Sq) & mask::visible(q, k, Sq, Sk, batch, head, p);
-                                s_acc[mt][nt][i] = shown ? s_acc[mt][nt][i] : NEG_INF;
-                            }
-                    (void)full_block;
                 } else {
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt)
@@ -311,8 +298,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 #pragma unroll
                             for (int i = 0; i < 4; ++i) {
                                 const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
-                                // Rows past Sq are never stored; skipping them keeps input reads in bounds.
-                                if (!(k < Sk && q < Sq && mask::shown(q, k, Sq, Sk, batch, head, full_block, p)))
+                                // Rows past Sq are never stored; an input is read only in bounds.
+                                if (!mask::shown_in_bounds(q, k, Sq, Sk, batch, head, full_block, p))
                                     s_acc[mt][nt][i] = NEG_INF;
                             }
                 }
