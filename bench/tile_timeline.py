@@ -92,7 +92,11 @@ def summarise(name: str, trace: np.ndarray, ms: float) -> None:
         nxt[:, :-1] = done[:, :-1] & done[:, 1:]
         gap = (t[:, 1:, E["TILE_WAIT"]] - t[:, :-1, E["STORED"]])[nxt[:, :-1]]
         steady = sums["other blocks"] / max(float((n - 1).sum()), 1.0)
-        total = sum(sums.values()) + float(gap.sum())
+        # Each CTA's span, first tile's start to last store: a carried epilogue (CARRY) runs inside
+        # the next tile, so the phases overlap and their sum would count it twice.
+        first = np.where(done[:, 0], t[:, 0, E["TILE_WAIT"]], 0)
+        last = np.where(done, t[..., E["STORED"]], 0).max(axis=1)
+        total = float((last - first)[done[:, 0]].sum())
         fixed = (total - steady * float(n.sum())) / len(n)
         if wg == 0 and not done[:, 1:].any():  # one tile per CTA: the gap between CTAs on an SM
             starts, ends, sms = t[:, 0, E["TILE_WAIT"]], t[:, 0, E["STORED"]], t[:, 0, E["SM"]]

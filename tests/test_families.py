@@ -115,7 +115,8 @@ def test_sm90_schedules_labels_and_defaults():
     default = lambda **kw: family.default_config(AttentionSpec(**kw).problem, H100).label()  # noqa: E731
     assert default(head_dim=128, mask="causal") == "m128n128s2opr"
     assert default(head_dim=128, mask="causal", gqa_ratio=4) == "m128n128s2opd"  # the table's causal_gqa row
-    assert default(head_dim=128, mask="none", gqa_ratio=4) == "m128n176s2opr"  # no none_gqa row: none's
+    assert default(head_dim=128, mask="none", gqa_ratio=4) == "m128n160s2opr"  # no none_gqa row: none's
+    assert default(head_dim=64, mask="causal") == "m192n128s2opd"
     assert default(head_dim=64, mask="sliding_window(127, 0)") == "m128n128s2opd"
 
 
@@ -132,6 +133,26 @@ def _sm90_call(head_dim, B, S, H, Hkv, workspace=0, inputs=()):
     return ForwardCall(_tensor("q", (B, S, H, head_dim)), _tensor("k", (B, S, Hkv, head_dim)),
                        _tensor("v", (B, S, Hkv, head_dim)), _tensor("out", (B, S, H, head_dim)),
                        _tensor("lse", (B, H, S), "float32"), 0.1, workspace=workspace, inputs=inputs)
+
+
+def test_sm90_q_buffers_as_many_as_fit():
+    # Three Q tiles where they fit beside the K/V ring and the kernel's static shared memory (the
+    # next tile's Q loads while an epilogue still holds its own buffer: CARRY needs two or more).
+    from attngen.families.fwd_sm90 import family as sm90
+
+    def plan(d, label):
+        config = sm90.Sm90Config.from_label(label).to_dict()
+        return plan_spec(AttentionSpec(head_dim=d, family="fwd_sm90", config=config), H100)
+
+    for d, label, buffers in ((128, "m128n128s2opr", 3), (128, "m128n160s2opr", 2), (128, "m128n176s2opr", 1),
+                              (64, "m192n128s2opd", 3), (256, "m128n80s2o", 1)):
+        p = plan(d, label)
+        assert p.q_buffers == buffers, (d, label, p.q_buffers)
+        assert p.smem_bytes == sm90.smem_bytes(p.config, d, buffers)
+        assert p.smem_bytes + sm90.STATIC_SMEM_BYTES <= H100.smem_per_block
+        assert f"constexpr int Q_BUFFERS = {buffers};" in get_family("fwd_sm90").render(p)
+        if buffers < sm90.Q_BUFFERS_MAX:  # one more would not fit
+            assert sm90.smem_bytes(p.config, d, buffers + 1) + sm90.STATIC_SMEM_BYTES > H100.smem_per_block
 
 
 def test_sm90_dynamic_schedule_launches(monkeypatch):

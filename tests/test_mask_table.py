@@ -112,7 +112,8 @@ def test_a_mask_without_inputs_builds_its_table_alone():
 
 
 def test_without_a_table_there_is_no_workspace():
-    spec = AttentionSpec(head_dim=64, mask="causal", family="fwd_sm90")
+    # One CTA per tile: no tile counter either (the dynamic schedule keeps one in the workspace).
+    spec = AttentionSpec(head_dim=64, mask="causal", family="fwd_sm90", config={"schedule": "grid"})
     plan = families.plan_spec(spec, targets.target("sm_90a"))
     call = _call(1, 100, 2, 64, {})
     assert plan.mask_table is None and families.get_family("fwd_sm90").workspace_bytes(plan, call) == 0

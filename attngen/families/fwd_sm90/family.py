@@ -65,6 +65,13 @@ SCHEDULES = {"grid": "", "pairs": "r", "dynamic": "d"}
 # Bytes of K/V a dynamic schedule's section of heads may hold: half the H100's 50 MB L2, the rest
 # left to the Q and O tiles streaming through.
 L2_SECTION_BYTES = 25 << 20
+# Q tiles in shared memory, as many as fit up to this: with two, the next tile's Q loads while the
+# current tile runs; a third gives that load a tile of slack when the epilogue holds its tile's
+# buffer into the next tile (flash_fwd_sm90.cuh CARRY), which short tiles (documents) waited for.
+Q_BUFFERS_MAX = 3
+# The kernel's own static shared memory (the Pipeline's barriers and tile slot, as ptxas reports it),
+# beside the dynamic tiles: a third Q buffer is planned only where both fit.
+STATIC_SMEM_BYTES = 1024
 _LABEL = re.compile(r"m(\d+)n(\d+)s(\d+)(o?)(p?)([rd]?)")
 
 
@@ -100,7 +107,7 @@ class Sm90Plan(ForwardPlan):
     LISTS_KEY_BLOCKS = True
     consumers: int
     num_stages: int
-    q_buffers: int  # 2 when shared memory holds a second Q tile: the next tile's Q loads early
+    q_buffers: int  # Q tiles in shared memory (Q_BUFFERS_MAX at most, as many as fit)
     overlap: bool
     pingpong: bool
     schedule: str
@@ -290,7 +297,8 @@ class Sm90Forward(KernelFamily):
         if problem.varlen and config.schedule != "dynamic":
             raise SpecError(f"config {config.label()}: packed sequences (varlen) take their tiles from a list through "
                             f"the dynamic schedule; allowed: schedule=dynamic", field="config")
-        q_buffers = 2 if smem_bytes(config, problem.head_dim, 2) <= target.smem_per_block else 1
+        q_buffers = next((n for n in range(Q_BUFFERS_MAX, 1, -1)
+                          if smem_bytes(config, problem.head_dim, n) + STATIC_SMEM_BYTES <= target.smem_per_block), 1)
         smem = smem_bytes(config, problem.head_dim, q_buffers)
         if smem > target.smem_per_block:
             raise SpecError(

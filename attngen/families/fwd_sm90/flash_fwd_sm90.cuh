@@ -10,10 +10,12 @@
 //   comes out balanced.
 // - DYNAMIC: a persistent grid whose producer takes each next tile from a counter in global
 //   memory (zeroed by the module's reset kernel before every launch), as the hardware scheduler
-//   would, and hands it to the consumers through a shared-memory slot guarded by two mbarriers
-//   (tile_full, tile_empty). Tiles come in sections of heads whose K/V fit in L2 together,
-//   longest query blocks first across a section's heads: balanced under any mask.
-// Persistent grids overlap one tile's epilogue with the next one's loads. Warp specialisation:
+//   would. Tiles come in sections of heads whose K/V fit in L2 together, longest query blocks
+//   first across a section's heads: balanced under any mask.
+// Under every schedule the producer works out each tile (its place and key blocks) and hands it to
+// the consumers through a shared-memory slot guarded by two mbarriers (TileSlot). Persistent grids
+// load the next tiles' Q while the current one runs, and (CARRY) issue a tile's last P V together
+// with the next tile's first S, its epilogue following once that P V is done. Warp specialisation:
 // warpgroup 0 is the producer, one thread of which streams Q (Q_BUFFERS deep) and the K/V blocks
 // through a NUM_STAGES-deep ring with TMA, completing on mbarriers; the ring runs on across tiles.
 // Warpgroups 1..CONSUMERS each own 64 query rows: S = Q K^T on wgmma (both operands in shared
@@ -55,16 +57,6 @@ constexpr int STORE_BARRIER = 1 + CONSUMERS;     // named barriers after those: 
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "wgmma shapes");
 static_assert(Q_CHUNK % ALIGN == 0 && KV_CHUNK % ALIGN == 0, "every tile starts on a swizzle-atom boundary");
 
-struct Pipeline {
-    u64 q_full[Q_BUFFERS], q_empty[Q_BUFFERS];
-    u64 k_full[NUM_STAGES], k_empty[NUM_STAGES], v_full[NUM_STAGES], v_empty[NUM_STAGES];
-    // DYNAMIC: the next tile (past the last: no more work), written by the producer once tile_empty
-    // says every consumer thread has read the previous one. mbarriers, not named barriers: their
-    // arrive releases the arriving thread's accesses, which racecheck follows (it takes bar.arrive
-    // for no ordering and reported the named-barrier hand-over as a race on every tile).
-    u64 tile_full, tile_empty;
-    int tile;
-};
 
 // Tile t of the order. grid and PAIRS: (batch, head) pairs one after another (the query heads of
 // one kv head together). Within a pair, grid: the query blocks longest first (M-1, M-2, ...);
@@ -204,6 +196,27 @@ struct Blocks {
     }
 };
 
+// What the producer hands the consumers for each tile: its order position (past the last: no more
+// work), place and key blocks. The producer works them out for its loads anyway, ahead of the
+// consumers: they read them here at a tile boundary rather than repeat the arithmetic (and, under
+// VARLEN, the tile list's global reads) between their GEMMs.
+struct TileSlot {
+    int t;
+    Tile tile;
+    Blocks blocks;
+};
+
+struct Pipeline {
+    u64 q_full[Q_BUFFERS], q_empty[Q_BUFFERS];
+    u64 k_full[NUM_STAGES], k_empty[NUM_STAGES], v_full[NUM_STAGES], v_empty[NUM_STAGES];
+    // The next tile, handed from the producer to the consumers through `next` (TileSlot) once
+    // tile_empty says every consumer thread has read the previous one. mbarriers, not named
+    // barriers: their arrive releases the arriving thread's accesses, which racecheck follows (it
+    // takes bar.arrive for no ordering and reported a named-barrier hand-over as a race).
+    u64 tile_full, tile_empty;
+    TileSlot next;
+};
+
 __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
     const int m0 = tile.m_block * BLOCK_M, m1 = min(m0 + BLOCK_M, seq_q(p, tile));
     if (m0 >= seq_q(p, tile)) return {0, 0, 0, 0, nullptr};  // a phantom block past the last row
@@ -236,25 +249,31 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
     int t = tile_index(0, tiles);
 #pragma unroll 1
     for (int j = 0;; ++j) {
-        int next;
-        if constexpr (DYNAMIC) {
-            mbar_wait(smem_u32(&pipe.tile_empty), (j & 1) ^ 1);  // the consumers have read the previous tile
+        if (t >= tiles) {  // the end, once the consumers have read the last tile
+            mbar_wait(smem_u32(&pipe.tile_empty), (j & 1) ^ 1);
             if (leader) {
-                pipe.tile = t;
+                pipe.next.t = t;
                 mbar_arrive(smem_u32(&pipe.tile_full));
             }
-            if (t >= tiles) break;
+            break;
+        }
+        const Tile tile = tile_of(p, t);
+        const Blocks b = kv_blocks(p, tile);
+        mbar_wait(smem_u32(&pipe.tile_empty), (j & 1) ^ 1);  // the consumers have read the previous tile
+        if (leader) {
+            pipe.next = {t, tile, b};
+            mbar_arrive(smem_u32(&pipe.tile_full));
+        }
+        int next;
+        if constexpr (DYNAMIC) {
             int fetched = 0;
             if (leader) fetched = atomicAdd(p.tile_counter, 1);  // its latency hides under this tile's loads
             next = __shfl_sync(0xffffffffu, fetched, 0) + static_cast<int>(gridDim.x);
         } else {
-            if (t >= tiles) break;
             next = tile_index(j + 1, tiles);
         }
         const int qb = j % Q_BUFFERS;
-        const Tile tile = tile_of(p, t);
         const int m0 = tile.m_block * BLOCK_M, kv_head = tile.head / GQA_RATIO;  // query head h reads kv head h // ratio
-        const Blocks b = kv_blocks(p, tile);
         // The consumers free a Q buffer once its tile's output, staged there, has been stored.
         mbar_wait(smem_u32(&pipe.q_empty[qb]), ((j / Q_BUFFERS) & 1) ^ 1);
         if (leader) {
@@ -298,23 +317,28 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
 }
 
 // -- consumer pieces ---------------------------------------------------------------------------------
+// Descriptors of a tile's k16 steps: the tile's own plus the step's byte offset in the 14-bit start
+// address field (shared memory ends below 2^18 bytes, so the field never carries): one add per
+// step, the tile's descriptor made once.
+__device__ __forceinline__ u64 desc_at(u64 tile_desc, u32 offset) { return tile_desc + (offset >> 4); }
+
 // S = Q K^T for this warpgroup's 64 rows: K-major operands, 32 bytes per k16 step within a chunk.
 __device__ __forceinline__ void issue_qk(float (&s)[S_REGS], u32 q_rows, u32 k_tile) {
+    const u64 a = smem_desc(q_rows, 16, 1024), b = smem_desc(k_tile, 16, 1024);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < DK; ++kk) {
-        const u64 a = smem_desc(q_rows + (kk / 4) * Q_CHUNK + (kk % 4) * 32, 16, 1024);
-        const u64 b = smem_desc(k_tile + (kk / 4) * KV_CHUNK + (kk % 4) * 32, 16, 1024);
-        wgmma_qk(s, a, b, kk > 0);  // the first step overwrites S
-    }
+    for (int kk = 0; kk < DK; ++kk)  // the first step overwrites S
+        wgmma_qk(s, desc_at(a, (kk / 4) * Q_CHUNK + (kk % 4) * 32), desc_at(b, (kk / 4) * KV_CHUNK + (kk % 4) * 32),
+                 kk > 0);
     wgmma_commit();
 }
 
 // O += P V: V is the MN-major B operand; 16 keys are 2048 bytes, the head-dim chunks KV_CHUNK apart.
 __device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&pf)[PK][4], u32 v_tile) {
+    const u64 b = smem_desc(v_tile, KV_CHUNK, 1024);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < PK; ++kk) wgmma_pv(o, pf[kk], smem_desc(v_tile + kk * 2048, KV_CHUNK, 1024));
+    for (int kk = 0; kk < PK; ++kk) wgmma_pv(o, pf[kk], desc_at(b, kk * 2048));
     wgmma_commit();
 }
 
@@ -418,27 +442,18 @@ __device__ __forceinline__ void drop(u32 (&pf)[PK][4], const dropout::Rng& rng, 
 }
 #endif
 
-// Pingpong: a warpgroup issues its GEMMs only after the previous one has issued its own.
+// Pingpong: a warpgroup issues its GEMMs only after the previous one has issued its own. Every turn
+// ends with a hand-over, the last warpgroup's last one to the first, which takes it at exit
+// (Consumer::run): no named barrier is left half-arrived, whatever the tile count.
 struct Turns {
     int wg;
     __device__ __forceinline__ void begin() const {
         if constexpr (PINGPONG) named_sync(PINGPONG_BARRIER + wg, 2 * WG_THREADS);
     }
-    // The last warpgroup's last hand-over would wait for nobody: it is skipped.
-    __device__ __forceinline__ void end(bool last) const {
-        if constexpr (PINGPONG) {
-            if (!(last && wg == CONSUMERS - 1)) named_arrive(PINGPONG_BARRIER + (wg + 1) % CONSUMERS, 2 * WG_THREADS);
-        }
+    __device__ __forceinline__ void end() const {
+        if constexpr (PINGPONG) named_arrive(PINGPONG_BARRIER + (wg + 1) % CONSUMERS, 2 * WG_THREADS);
     }
 };
-
-// Whether this CTA has a tile after its round j with key blocks to visit (its GEMM turns are not
-// over). Static schedules only: under DYNAMIC the last hand-over is absorbed instead (consume).
-__device__ __forceinline__ bool more_work(const Params& p, int j, int tiles) {
-    for (int t = tile_index(++j, tiles); t < tiles; t = tile_index(++j, tiles))
-        if (kv_blocks(p, tile_of(p, t)).count() > 0) return true;
-    return false;
-}
 
 // VARLEN: this warpgroup's staged output rows (first: the first one's position in its sequence)
 // copied to out 16 bytes at a time, up to the sequence's last row; a TMA store would write the next
@@ -462,199 +477,318 @@ __device__ __forceinline__ void store_rows(const Params& p, u32 q_rows, const Ti
 #endif
 }
 
-// One tile of one consumer warpgroup: g is the ring position of its first K/V block.
-__device__ __forceinline__ void consume_tile(const Params& p, Pipeline& pipe, u32 q_tile, u32 sK, u32 sV,
-                                             const Blocks& b, const Tile& tile, int g, bool last_turns, int wg, int j) {
-    const int tid = threadIdx.x % WG_THREADS, warp = tid / 32, lane = tid % 32;
-    const int m0 = tile.m_block * BLOCK_M;
-    const int row0 = m0 + wg * 64 + warp * 16 + lane / 4;  // this thread's rows: row0 and row0 + 8
-    const u32 q_rows = q_tile + wg * 64 * 128;             // this warpgroup's rows of every Q chunk
-    const int n = b.count();
-    const Turns turns{wg};
-    float o[O_REGS], s[S_REGS], alpha[2];
-    u32 pf[PK][4];
-    float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
-#ifdef ATTNGEN_DROPOUT
-    const dropout::Rng rng = dropout::load(p.rng);
-    const int row_base = row0 - lane / 4;
-#endif
-    auto k_tile = [&](int it) { return sK + ((g + it) % NUM_STAGES) * KV_BYTES; };
-    auto v_tile = [&](int it) { return sV + ((g + it) % NUM_STAGES) * KV_BYTES; };
-    auto wait_k = [&](int it) {
-        mbar_wait(smem_u32(&pipe.k_full[(g + it) % NUM_STAGES]), ((g + it) / NUM_STAGES) & 1);
-    };
-    auto wait_v = [&](int it) {
-        mbar_wait(smem_u32(&pipe.v_full[(g + it) % NUM_STAGES]), ((g + it) / NUM_STAGES) & 1);
-    };
-    // One thread per warpgroup releases a stage: the wgmma that read it has completed for all four warps.
-    auto release_k = [&](int it) { if (tid == 0) mbar_arrive(smem_u32(&pipe.k_empty[(g + it) % NUM_STAGES])); };
-    auto release_v = [&](int it) { if (tid == 0) mbar_arrive(smem_u32(&pipe.v_empty[(g + it) % NUM_STAGES])); };
+// CARRY: a tile's last P V is issued together with the next tile's first S, whose softmax runs
+// under it; the tile's epilogue follows once that P V is done, and its Q buffer goes back to the
+// producer a block later. The next tile's Q must load while this tile's output is staged in its own
+// Q buffer: it needs a second one (d256 has room for one only). Under pingpong the epilogue still
+// holds up both warpgroups' turns (docs/perf-notes.md "Across tile boundaries").
+constexpr bool CARRY = OVERLAP && Q_BUFFERS >= 2;
 
-    if (n > 0) {
-        if constexpr (OVERLAP) {
-            // Block 0's scores, then each step issues S(it) and P(it-1) V(it-1) together and runs
-            // the softmax of block it while P V runs.
-            wait_k(0);
-            trace(wg, j, K0_READY);
-            turns.begin();
-            trace(wg, j, TURN0);
-            issue_qk(s, q_rows, k_tile(0));
-            turns.end(false);
-            wgmma_wait<0>();
-            fence_regs(s);
-            trace(wg, j, S0_READY);
-            release_k(0);
+// A tile whose scores are all in, waiting for its last P V (under CARRY, issued with the next tile's
+// first S) and its epilogue.
+struct Finished {
+    Tile tile;
+    int qb;        // its Q buffer, where the output is staged
+    int last;      // ring position of its last V block
+    int j;         // its round (the timeline's index)
+    float inv[2];  // what normalises this thread's two rows (0 for a row without a visible key)
+};
+
+// One consumer warpgroup: 64 rows of each of its CTA's tiles, tile after tile, and the state one
+// tile hands the next (the pending last P V, the output still in a Q buffer).
+struct Consumer {
+    const Params& p;
+    Pipeline& pipe;
+    u32 sQ, sK, sV;
+    int wg, tid, warp, lane;
+    Turns turns;
+    float o[O_REGS], s[S_REGS], row_max[2], row_sum[2], alpha[2];
+    u32 pf[PK][4];
+#ifdef ATTNGEN_DROPOUT
+    dropout::Rng rng;
+#endif
+    int g;            // ring position of the current tile's first K/V block
+    Finished done;    // the last finished tile
+    bool pending;     // whether done's last P V and epilogue are still to come
+    int stored;       // Q buffers (bits) holding output the TMA store may still be reading
+
+    __device__ __forceinline__ Consumer(const Params& p_, Pipeline& pipe_, u32 sQ_, u32 sK_, u32 sV_, int wg_)
+        : p(p_), pipe(pipe_), sQ(sQ_), sK(sK_), sV(sV_), wg(wg_), tid(threadIdx.x % WG_THREADS),
+          warp(tid / 32), lane(tid % 32), turns{wg_}, g(0), pending(false), stored(0) {
+#ifdef ATTNGEN_DROPOUT
+        rng = dropout::load(p.rng);
+#endif
+    }
+
+    __device__ __forceinline__ u32 q_rows(int qb) const { return sQ + qb * Q_BYTES + wg * 64 * 128; }
+    __device__ __forceinline__ u32 k_at(int pos) const { return sK + (pos % NUM_STAGES) * KV_BYTES; }
+    __device__ __forceinline__ u32 v_at(int pos) const { return sV + (pos % NUM_STAGES) * KV_BYTES; }
+    __device__ __forceinline__ void wait_k(int pos) {
+        mbar_wait(smem_u32(&pipe.k_full[pos % NUM_STAGES]), (pos / NUM_STAGES) & 1);
+    }
+    __device__ __forceinline__ void wait_v(int pos) {
+        mbar_wait(smem_u32(&pipe.v_full[pos % NUM_STAGES]), (pos / NUM_STAGES) & 1);
+    }
+    // One thread per warpgroup releases a stage: the wgmma that read it has completed for all four warps.
+    __device__ __forceinline__ void release_k(int pos) {
+        if (tid == 0) mbar_arrive(smem_u32(&pipe.k_empty[pos % NUM_STAGES]));
+    }
+    __device__ __forceinline__ void release_v(int pos) {
+        if (tid == 0) mbar_arrive(smem_u32(&pipe.v_empty[pos % NUM_STAGES]));
+    }
+    // This thread's rows of a tile: row0 and row0 + 8.
+    __device__ __forceinline__ int first_row_of(const Tile& tile) const {
+        return tile.m_block * BLOCK_M + wg * 64 + warp * 16 + lane / 4;
+    }
+
+    __device__ __forceinline__ void start_rows() {
+        row_max[0] = row_max[1] = NEG_INF;
+        row_sum[0] = row_sum[1] = 0.f;
+    }
+    __device__ __forceinline__ void zero_o() {
+#pragma unroll
+        for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
+    }
+
+    // Block `it` of the tile, once its S is in: modifier, mask, online softmax (alpha: the rescale O needs).
+    __device__ __forceinline__ void softmax_block(const Blocks& b, int it, const Tile& tile, int row0) {
+        prepare_scores(s, row0, b, it, p, tile, lane);
+        softmax_step(s, row_max, row_sum, alpha, score_log2(p));
+    }
+    // S of the block becomes the P operand of its P V (dropout applied after the row sums).
+    __device__ __forceinline__ void make_p(const Blocks& b, int it, const Tile& tile, int row0) {
+        to_operand(pf, s);
+#ifdef ATTNGEN_DROPOUT
+        drop(pf, rng, tile, row0 - lane / 4, b.key0(it));
+#else
+        (void)b; (void)it; (void)tile; (void)row0;
+#endif
+    }
+
+    // The tile's row statistics are final: write its LSE, keep what normalises O for the epilogue.
+    __device__ __forceinline__ void finish(const Tile& tile, int qb, int last, int j) {
+        const int row0 = first_row_of(tile);
+        done.tile = tile;
+        done.qb = qb;
+        done.last = last;
+        done.j = j;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int q = row0 + 8 * h;
+            float lse;  // a row with no visible key: output 0, LSE -inf (or the sink)
+            done.inv[h] = score::finish_row(row_max[h], quad_sum(row_sum[h]), q, seq_q(p, tile), seq_k(p, tile),
+                                            tile.batch, tile.head, p, lse);
+#ifdef ATTNGEN_DROPOUT
+            done.inv[h] *= dropout::SCALE;  // kept probabilities are scaled by 1 / (1 - p)
+#endif
+            if (lane % 4 == 0 && q < seq_q(p, tile))
+                p.lse[((i64)tile.batch * p.Hq + tile.head) * p.Sq + first_row(tile) + q] = lse;
+        }
+    }
+
+    // Epilogue of `done`, its last P V complete: normalise O, stage it in this warpgroup's rows of the
+    // tile's Q buffer (their wgmmas are long done) in the TMA's swizzled layout, and store it (TMA
+    // drops rows past Sq). The buffer goes back to the producer in release_q, once the store read it.
+    __device__ __forceinline__ void store_output() {
+        const u32 rows = q_rows(done.qb);
+#pragma unroll
+        for (int i = 0; i < O_REGS / 2; ++i) {
+            const int h = i & 1, r = warp * 16 + lane / 4 + 8 * h, col = 8 * (i >> 1) + 2 * (lane % 4);
+            const u32 unit = ((col % 64) / 8) ^ (r % 8);  // the 128-byte swizzle: 16-byte unit XOR row within 8
+            const u32 addr = rows + (col / 64) * Q_CHUNK + r * 128 + unit * 16 + (col % 8) * 2;
+            const u32 packed = pack2<IS_BF16>(o[2 * i] * done.inv[h], o[2 * i + 1] * done.inv[h]);
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(packed) : "memory");
+        }
+        fence_async_smem();
+        named_sync(STORE_BARRIER + wg, WG_THREADS);
+        const int m0 = done.tile.m_block * BLOCK_M + wg * 64;
+        if constexpr (VARLEN) {
+            store_rows(p, rows, done.tile, m0, tid);
+            named_sync(STORE_BARRIER + wg, WG_THREADS);  // every row has left the Q buffer
+        } else if (tid == 0) {
+#pragma unroll
+            for (int c = 0; c < CHUNKS; ++c)
+                tma_store(&p.tmap_o, rows + c * Q_CHUNK, c * 64, m0, done.tile.head, done.tile.batch);
+            tma_store_commit();
+        }
+        stored |= 1 << done.qb;
+        pending = false;
+        trace(wg, done.j, STORED);
+    }
+    // Q buffers whose output the TMA store has read go back to the producer (for a later tile's Q).
+    __device__ __forceinline__ void release_q() {
+        if (stored == 0) return;
+        if (tid == 0) {
+            if constexpr (!VARLEN) tma_store_wait_read();
+#pragma unroll
+            for (int qb = 0; qb < Q_BUFFERS; ++qb)
+                if (stored & (1 << qb)) mbar_arrive(smem_u32(&pipe.q_empty[qb]));
+        }
+        stored = 0;
+    }
+    // The pending tile's last P V on its own (no next tile to issue it with), then its epilogue.
+    __device__ __forceinline__ void flush() {
+        if (!pending) return;
+        wait_v(done.last);
+        turns.begin();
+        issue_pv(o, pf, v_at(done.last));
+        turns.end();
+        wgmma_wait<0>();
+        fence_regs(o);
+        release_v(done.last);
+        store_output();
+    }
+
+    // A tile without key blocks (its rows see no key, or a phantom block past Sq): output 0, LSE -inf.
+    __device__ __forceinline__ void empty_tile(const Tile& tile, int qb, int j) {
+        flush();
+        zero_o();
+        start_rows();
+        finish(tile, qb, 0, j);
+        store_output();
+        release_q();
+    }
+
+    // The tile's first block: S, and with CARRIED the pending tile's last P V in the same turn, whose
+    // epilogue then runs once it completes. Two straight-line versions (run picks one): ptxas
+    // serialises every wgmma of a kernel where a path it cannot rule out touches an accumulator
+    // while its wgmma runs.
+    template <bool CARRIED>
+    __device__ __forceinline__ void first_block(const Tile& tile, const Blocks& b, u32 q, int row0, int j) {
+        wait_k(g);
+        trace(wg, j, K0_READY);
+        turns.begin();
+        trace(wg, j, TURN0);
+        issue_qk(s, q, k_at(g));
+        if constexpr (CARRIED) {
+            wait_v(done.last);
+            issue_pv(o, pf, v_at(done.last));
+        }
+        turns.end();
+        wgmma_wait<CARRIED ? 1 : 0>();  // S is done; the pending tile's P V may still run
+        fence_regs(s);
+        trace(wg, j, S0_READY);
+        release_k(g);
 #ifdef ATTNGEN_TRACE_NO_FIRST_MASK
-            if (false)
+        if (false)
 #endif
-            prepare_scores(s, row0, b, 0, p, tile, lane);
-            trace(wg, j, S0_MASKED, fence_clock(s));
-            softmax_step(s, row_max, row_sum, alpha, score_log2(p));
-            to_operand(pf, s);
-#ifdef ATTNGEN_DROPOUT
-            drop(pf, rng, tile, row_base, b.key0(0));
-#endif
-            trace(wg, j, FIRST_SOFTMAX);
-#pragma unroll 1
-            for (int it = 1; it < n; ++it) {
-                wait_k(it);
-                turns.begin();
-                issue_qk(s, q_rows, k_tile(it));
-                wait_v(it - 1);
-                issue_pv(o, pf, v_tile(it - 1));
-                turns.end(false);
-                wgmma_wait<1>();  // S(it) is done; P V may still run
-                fence_regs(s);
-                release_k(it);
-                prepare_scores(s, row0, b, it, p, tile, lane);
-                softmax_step(s, row_max, row_sum, alpha, score_log2(p));
-                wgmma_wait<0>();  // P V is done: O and P may change
-                fence_regs(o);
-                release_v(it - 1);
-                rescale(o, alpha);
-                to_operand(pf, s);
-#ifdef ATTNGEN_DROPOUT
-                drop(pf, rng, tile, row_base, b.key0(it));
-#endif
-            }
-            wait_v(n - 1);
-            turns.begin();
-            issue_pv(o, pf, v_tile(n - 1));
-            turns.end(last_turns);
+        prepare_scores(s, row0, b, 0, p, tile, lane);
+        trace(wg, j, S0_MASKED, fence_clock(s));
+        softmax_step(s, row_max, row_sum, alpha, score_log2(p));
+        if constexpr (CARRIED) {
             wgmma_wait<0>();
             fence_regs(o);
-            release_v(n - 1);
-            trace(wg, j, LAST_PV);
-        } else {
+            release_v(done.last);
+            store_output();
+        }
+        zero_o();
+        make_p(b, 0, tile, row0);
+        trace(wg, j, FIRST_SOFTMAX);
+    }
+
+    // OVERLAP: each step issues S of block it and P V of block it-1 together and runs the softmax of
+    // block it while P V runs. The tile's first S goes with the previous tile's last P V (CARRY).
+    __device__ __forceinline__ void overlapped_tile(const Tile& tile, const Blocks& b, int qb, int j) {
+        const int n = b.count(), row0 = first_row_of(tile);
+        const u32 q = q_rows(qb);
+        start_rows();
+        if (CARRY && pending) first_block<CARRY>(tile, b, q, row0, j);
+        else first_block<false>(tile, b, q, row0, j);
+        if (n == 1) release_q();  // (else under the next block's GEMMs, below)
 #pragma unroll 1
-            for (int it = 0; it < n; ++it) {
-                wait_k(it);
+        for (int it = 1; it < n; ++it) {
+            wait_k(g + it);
+            turns.begin();
+            issue_qk(s, q, k_at(g + it));
+            wait_v(g + it - 1);
+            issue_pv(o, pf, v_at(g + it - 1));
+            turns.end();
+            if (it == 1) release_q();  // under the GEMMs: the stored output has long been read
+            wgmma_wait<1>();  // S(it) is done; P V may still run
+            fence_regs(s);
+            release_k(g + it);
+            softmax_block(b, it, tile, row0);
+            wgmma_wait<0>();  // P V is done: O and P may change
+            fence_regs(o);
+            release_v(g + it - 1);
+            rescale(o, alpha);
+            make_p(b, it, tile, row0);
+        }
+        trace(wg, j, LAST_PV);
+        finish(tile, qb, g + n - 1, j);
+        pending = true;
+        if constexpr (!CARRY) {
+            flush();
+            release_q();  // the next tile's Q loads into this one's buffer
+        }
+    }
+
+    // Without OVERLAP: S, softmax and P V of one block after the other.
+    __device__ __forceinline__ void serial_tile(const Tile& tile, const Blocks& b, int qb, int j) {
+        const int n = b.count(), row0 = first_row_of(tile);
+        const u32 q = q_rows(qb);
+        start_rows();
+        zero_o();
+#pragma unroll 1
+        for (int it = 0; it < n; ++it) {
+            wait_k(g + it);
+            turns.begin();
+            issue_qk(s, q, k_at(g + it));
+            turns.end();
+            wgmma_wait<0>();
+            fence_regs(s);
+            release_k(g + it);
+            softmax_block(b, it, tile, row0);
+            rescale(o, alpha);
+            make_p(b, it, tile, row0);
+            if (it < n - 1) {
+                wait_v(g + it);
                 turns.begin();
-                issue_qk(s, q_rows, k_tile(it));
-                turns.end(false);
-                wgmma_wait<0>();
-                fence_regs(s);
-                release_k(it);
-                prepare_scores(s, row0, b, it, p, tile, lane);
-                softmax_step(s, row_max, row_sum, alpha, score_log2(p));
-                rescale(o, alpha);
-                to_operand(pf, s);
-#ifdef ATTNGEN_DROPOUT
-                drop(pf, rng, tile, row_base, b.key0(it));
-#endif
-                wait_v(it);
-                turns.begin();
-                issue_pv(o, pf, v_tile(it));
-                turns.end(last_turns && it == n - 1);
+                issue_pv(o, pf, v_at(g + it));
+                turns.end();
                 wgmma_wait<0>();
                 fence_regs(o);
-                release_v(it);
+                release_v(g + it);
             }
         }
+        trace(wg, j, LAST_PV);
+        finish(tile, qb, g + n - 1, j);
+        pending = true;
+        flush();
+        release_q();
     }
 
-    // Epilogue: normalise, write the LSE, stage O in this warpgroup's rows of the tile's Q buffer
-    // (its wgmmas are done) in the TMA's swizzled layout, and store it with TMA, which drops rows
-    // past Sq.
-    float inv[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int q = row0 + 8 * h;
-        float lse;  // a row with no visible key: output 0, LSE -inf (or the sink)
-        inv[h] = score::finish_row(row_max[h], quad_sum(row_sum[h]), q, seq_q(p, tile), seq_k(p, tile), tile.batch,
-                                   tile.head, p, lse);
-#ifdef ATTNGEN_DROPOUT
-        inv[h] *= dropout::SCALE;  // kept probabilities are scaled by 1 / (1 - p)
-#endif
-        if (lane % 4 == 0 && q < seq_q(p, tile))
-            p.lse[((i64)tile.batch * p.Hq + tile.head) * p.Sq + first_row(tile) + q] = lse;
-    }
-#pragma unroll
-    for (int j = 0; j < O_REGS / 2; ++j) {
-        const int h = j & 1, r = warp * 16 + lane / 4 + 8 * h, col = 8 * (j >> 1) + 2 * (lane % 4);
-        const u32 unit = ((col % 64) / 8) ^ (r % 8);  // the 128-byte swizzle: 16-byte unit XOR row within 8
-        const u32 addr = q_rows + (col / 64) * Q_CHUNK + r * 128 + unit * 16 + (col % 8) * 2;
-        const u32 packed = pack2<IS_BF16>(o[2 * j] * inv[h], o[2 * j + 1] * inv[h]);
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(packed) : "memory");
-    }
-    fence_async_smem();
-    named_sync(STORE_BARRIER + wg, WG_THREADS);
-    if constexpr (VARLEN) {
-        store_rows(p, q_rows, tile, m0 + wg * 64, tid);
-        named_sync(STORE_BARRIER + wg, WG_THREADS);  // every row has left the Q buffer before it is released
-    } else if (tid == 0) {
-#pragma unroll
-        for (int c = 0; c < CHUNKS; ++c)
-            tma_store(&p.tmap_o, q_rows + c * Q_CHUNK, c * 64, m0 + wg * 64, tile.head, tile.batch);
-        tma_store_commit();
-        tma_store_wait_read();
-    }
-}
-
-__device__ __forceinline__ void consume(const Params& p, Pipeline& pipe, u32 sQ, u32 sK, u32 sV, int tiles, int wg) {
-    const int tid = threadIdx.x % WG_THREADS;
-    if constexpr (PINGPONG) {
-        // The first warpgroup goes first (when the CTA has GEMMs to issue at all; DYNAMIC cannot know).
-        if (wg == CONSUMERS - 1 && (DYNAMIC || more_work(p, -1, tiles)))
-            named_arrive(PINGPONG_BARRIER, 2 * WG_THREADS);
-    }
-    int g = 0;  // K/V blocks consumed so far
-#pragma unroll 1
-    for (int j = 0;; ++j) {
-        const int qb = j % Q_BUFFERS;
-        int t;
-        trace(wg, j, TILE_WAIT);
-        if constexpr (DYNAMIC) {
-            mbar_wait(smem_u32(&pipe.tile_full), j & 1);
-            t = pipe.tile;
-            if (t >= tiles) break;  // the producer waits for no read of the end
-            mbar_arrive(smem_u32(&pipe.tile_empty));  // every thread: each releases its own read
-        } else {
-            t = tile_index(j, tiles);
-            if (t >= tiles) break;
+    __device__ __forceinline__ void run(int tiles) {
+        if constexpr (PINGPONG) {
+            if (wg == CONSUMERS - 1) named_arrive(PINGPONG_BARRIER, 2 * WG_THREADS);  // the first warpgroup goes first
         }
-        const Tile tile = tile_of(p, t);
-        const Blocks b = kv_blocks(p, tile);
-        const bool last_turns = PINGPONG && !DYNAMIC && b.count() > 0 && !more_work(p, j, tiles);
-        trace(wg, j, TILE_READY);
-        mbar_wait(smem_u32(&pipe.q_full[qb]), (j / Q_BUFFERS) & 1);
-        trace(wg, j, Q_READY);
-        consume_tile(p, pipe, sQ + qb * Q_BYTES, sK, sV, b, tile, g, last_turns, wg, j);
-        trace(wg, j, STORED);
-        trace(wg, j, KEY_BLOCKS, b.count());
-        trace(wg, j, SM, smid());
-        g += b.count();
-        // This warpgroup's output has left the Q buffer: the producer may refill it.
-        if (tid == 0) mbar_arrive(smem_u32(&pipe.q_empty[qb]));
+#pragma unroll 1
+        for (int j = 0;; ++j) {
+            const int qb = j % Q_BUFFERS;
+            trace(wg, j, TILE_WAIT);
+            mbar_wait(smem_u32(&pipe.tile_full), j & 1);
+            const TileSlot next = pipe.next;
+            if (next.t >= tiles) break;  // the producer waits for no read of the end
+            mbar_arrive(smem_u32(&pipe.tile_empty));  // every thread: each releases its own read
+            const Tile& tile = next.tile;
+            const Blocks& b = next.blocks;
+            trace(wg, j, TILE_READY);
+            mbar_wait(smem_u32(&pipe.q_full[qb]), (j / Q_BUFFERS) & 1);
+            trace(wg, j, Q_READY);
+            if (b.count() == 0) empty_tile(tile, qb, j);
+            else if constexpr (OVERLAP) overlapped_tile(tile, b, qb, j);
+            else serial_tile(tile, b, qb, j);
+            trace(wg, j, KEY_BLOCKS, b.count());
+            trace(wg, j, SM, smid());
+            g += b.count();
+        }
+        flush();
+        release_q();  // also: no store still reads shared memory when the CTA exits
+        if constexpr (PINGPONG) {
+            if (wg == 0) named_sync(PINGPONG_BARRIER, 2 * WG_THREADS);  // the last hand-over
+        }
     }
-    if constexpr (PINGPONG && DYNAMIC) {
-        // Every turn ended with a hand-over, the last warpgroup's last one to the first: taken here,
-        // so no named barrier is left half-arrived at exit.
-        if (wg == 0) named_sync(PINGPONG_BARRIER, 2 * WG_THREADS);
-    }
-}
+};
 
 __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -676,10 +810,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
             mbar_init(smem_u32(&pipe.k_empty[s]), CONSUMERS);
             mbar_init(smem_u32(&pipe.v_empty[s]), CONSUMERS);
         }
-        if constexpr (DYNAMIC) {
-            mbar_init(smem_u32(&pipe.tile_full), 1);
-            mbar_init(smem_u32(&pipe.tile_empty), CONSUMERS * WG_THREADS);
-        }
+        mbar_init(smem_u32(&pipe.tile_full), 1);
+        mbar_init(smem_u32(&pipe.tile_empty), CONSUMERS * WG_THREADS);
         mbar_init_fence();
     }
     __syncthreads();
@@ -689,7 +821,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
         if (DYNAMIC ? threadIdx.x < 32 : threadIdx.x == 0) produce(p, pipe, sQ, sK, sV, tiles);
     } else {
         if constexpr (SET_MAX_REGS) regs_alloc<CONSUMER_REGS>();
-        consume(p, pipe, sQ, sK, sV, tiles, wg - 1);
+        Consumer(p, pipe, sQ, sK, sV, wg - 1).run(tiles);
     }
 }
 

@@ -1,0 +1,171 @@
+"""Same-process A/B of two versions of fwd_sm90's kernel header (flash_fwd_sm90.cuh): the working
+tree's against another file (say the last commit's), on the shapes where per-tile costs show, with
+cuDNN beside. Rounds alternate the two builds so clock and power drift fall on both. With --configs,
+the working tree's configs against each other instead (the default choices; "q2": at most two Q
+buffers).
+
+    git show HEAD:attngen/families/fwd_sm90/flash_fwd_sm90.cuh > .ab/base.cuh
+    PYTHONPATH=. python bench/sm90_ab_probe.py --base .ab/base.cuh [--rounds 2] [CASE ...]
+    PYTHONPATH=. python bench/sm90_ab_probe.py --configs [--rounds 2] [CASE ...]
+
+One line per case: milliseconds and TFLOP/s (visible pairs only for masks) per round and build."""
+from __future__ import annotations
+
+import argparse
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import attngen
+from attngen.bench import input_sets, time_ms
+from attngen.bench_masks import WINDOW, _document_ids
+from attngen.families import get_family
+from attngen.families.fwd_sm90 import family as sm90
+from attngen.flops import forward_flops
+from attngen.runtime import dispatch
+from attngen.spec import AttentionSpec
+
+HEADER = Path(sm90.FOLDER, "flash_fwd_sm90.cuh")
+
+
+def use_header(text: str | None) -> None:
+    """Build fwd_sm90 kernels from `text` in place of the working tree's header (None: the tree's)."""
+    family = get_family("fwd_sm90")
+    family.render = functools.partial(_render, text)
+    dispatch._kernels.clear()
+    dispatch.forget()
+
+
+def _render(text, plan):
+    source = sm90.Sm90Forward.render(get_family("fwd_sm90"), plan)
+    return source if text is None else source.replace(HEADER.read_text(), text)
+
+
+# name -> (head_dim, mask, batch, seqlen, heads, kv_heads, config label or None for the default)
+DENSE = {
+    "d128-causal-2k": (128, "causal", 8, 2048, 16, 16, None),
+    "d128-causal-16k": (128, "causal", 1, 16384, 16, 16, None),
+    "d128-none-2k-n176": (128, "none", 8, 2048, 16, 16, "m128n176s2opr"),
+    "d128-none-2k-n128": (128, "none", 8, 2048, 16, 16, "m128n128s2opr"),
+    "d128-none-8k-n176": (128, "none", 2, 8192, 16, 16, "m128n176s2opr"),
+    "d128-none-8k-n128": (128, "none", 2, 8192, 16, 16, "m128n128s2opr"),
+    "d64-causal-2k-grid": (64, "causal", 8, 2048, 32, 32, "m192n128s2op"),
+    "d64-causal-2k-pairs": (64, "causal", 8, 2048, 32, 32, "m192n128s2opr"),
+    "d64-causal-2k-dyn": (64, "causal", 8, 2048, 32, 32, "m192n128s2opd"),
+    "d64-causal-4k-pairs": (64, "causal", 4, 4096, 32, 32, "m192n128s2opr"),
+    "d64-none-2k": (64, "none", 8, 2048, 32, 32, None),
+    "gqa-causal-8k": (128, "causal", 2, 8192, 32, 8, None),
+    "window4096-16k": (128, f"sliding_window({WINDOW - 1}, 0)", 1, 16384, 16, 16, None),
+}
+
+
+# name -> (head_dim, mask, batch, seqlen, heads, kv_heads, [config label, optionally + "/q2"])
+CONFIGS = {
+    "d64-causal-2k": (64, "causal", 8, 2048, 32, 32, ["m192n128s2op", "m192n128s2opd", "m192n128s2opr"]),
+    "d64-causal-4k": (64, "causal", 4, 4096, 32, 32, ["m192n128s2op", "m192n128s2opd", "m192n128s2opr"]),
+    "d64-causal-16k": (64, "causal", 1, 16384, 32, 32, ["m192n128s2op", "m192n128s2opd", "m192n128s2opr"]),
+    "d128-none-2k": (128, "none", 8, 2048, 16, 16, ["m128n176s2opr", "m128n160s2opr", "m128n128s2opr", "m128n128s2opr/q2"]),
+    "d128-none-4k": (128, "none", 4, 4096, 16, 16, ["m128n176s2opr", "m128n160s2opr", "m128n128s2opr"]),
+    "d128-none-16k": (128, "none", 1, 16384, 16, 16, ["m128n176s2opr", "m128n160s2opr", "m128n128s2opr"]),
+    "d128-causal-2k": (128, "causal", 8, 2048, 16, 16, ["m128n128s2opr", "m128n128s2opr/q2"]),
+    "d256-none-16k": (256, "none", 1, 16384, 8, 8, ["m128n80s2o", "m128n64s2o", "m128n80s2or"]),
+    "d128-causal-512": (128, "causal", 32, 512, 16, 16, ["m128n128s2opr", "m128n128s2opr/q2", "m128n128s2op"]),
+    "d128-causal-1k": (128, "causal", 16, 1024, 16, 16, ["m128n128s2opr", "m128n128s2opr/q2"]),
+    "d128-none-512": (128, "none", 32, 512, 16, 16, ["m128n160s2opr", "m128n176s2opr", "m128n128s2opr"]),
+}
+
+
+def config_case(name, label):
+    d, mask, batch, seqlen, heads, kv_heads, _ = CONFIGS[name]
+    sets = input_sets(batch, seqlen, heads, d, kv_heads=kv_heads)
+    flops = forward_flops(batch, heads, seqlen, seqlen, d, mask == "causal")
+    spec = AttentionSpec(head_dim=d, mask=mask, gqa_ratio=heads // kv_heads, family="fwd_sm90",
+                         config=sm90.Sm90Config.from_label(label.split("/")[0]).to_dict())
+    return (lambda q, k, v: attngen.attention(q, k, v, spec)), sets, flops
+
+
+def cudnn_ms(mask, heads, kv_heads, sets):
+    def call(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=mask == "causal", enable_gqa=heads != kv_heads)
+    return time_ms(call, sets)
+
+
+def compare_configs(names, rounds):
+    for name in names:
+        d, mask, batch, seqlen, heads, kv_heads, labels = CONFIGS[name]
+        line = [f"{name:16s}"]
+        for r in range(rounds):
+            for label in labels if r % 2 == 0 else labels[::-1]:
+                sm90.Q_BUFFERS_MAX = 2 if label.endswith("/q2") else 3
+                use_header(None)
+                run, sets, flops = config_case(name, label)
+                if not line[1:]:
+                    ref = cudnn_ms(mask, heads, kv_heads, sets)
+                    line.append(f"cuDNN {ref:.3f}ms {flops / ref / 1e9:4.0f}")
+                ms = time_ms(run, sets)
+                line.append(f"{label} {ms:.3f}ms {flops / ms / 1e9:4.0f}")
+        print("  ".join(line), flush=True)
+    sm90.Q_BUFFERS_MAX = 3
+
+
+def dense_case(name):
+    d, mask, batch, seqlen, heads, kv_heads, label = DENSE[name]
+    sets = input_sets(batch, seqlen, heads, d, kv_heads=kv_heads)
+    if mask.startswith("sliding_window"):
+        flops = sum(min(i + 1, WINDOW) for i in range(seqlen)) * 4 * d * heads * batch
+    else:
+        flops = forward_flops(batch, heads, seqlen, seqlen, d, mask == "causal")
+    config = sm90.Sm90Config.from_label(label).to_dict() if label else None
+    spec = AttentionSpec(head_dim=d, mask=mask, gqa_ratio=heads // kv_heads, family="fwd_sm90", config=config)
+    run = lambda q, k, v: attngen.attention(q, k, v, spec)  # noqa: E731
+
+    def cudnn():
+        return cudnn_ms(mask, heads, kv_heads, sets) if mask in ("none", "causal") else None
+    return run, sets, flops, cudnn
+
+
+def documents_case():
+    ids, lengths = _document_ids()
+    q, k, v = (torch.randn(16384, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32).cuda()
+    flops = int(sum(n * (n + 1) // 2 for n in lengths.tolist())) * 4 * 128 * 16
+    run = lambda q, k, v: attngen.attention_varlen(q, k, v, cu, cu, mask="causal")  # noqa: E731
+    return run, [(q, k, v)], flops, lambda: None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base", type=Path, help="the other version of flash_fwd_sm90.cuh")
+    parser.add_argument("--configs", action="store_true", help="compare the working tree's configs (CONFIGS)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("cases", nargs="*")
+    args = parser.parse_args()
+    if args.configs:
+        with torch.no_grad():
+            return compare_configs(args.cases or list(CONFIGS), args.rounds)
+    if args.base is None:
+        parser.error("--base FILE or --configs")
+    base = args.base.read_text()
+    names = args.cases or ["documents", *DENSE]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name in names:
+            run, sets, flops, cudnn = documents_case() if name == "documents" else dense_case(name)
+            ref_ms = cudnn()
+            line = [f"{name:20s}"] + ([f"cuDNN {ref_ms:.3f}ms {flops / ref_ms / 1e9:4.0f}"] if ref_ms else [])
+            for r in range(args.rounds):
+                for build, text in (("base", base), ("new", None)) if r % 2 == 0 else (("new", None), ("base", base)):
+                    use_header(text)
+                    ms = time_ms(run, sets)
+                    line.append(f"{build} {ms:.3f}ms {flops / ms / 1e9:4.0f}")
+            print("  ".join(line), flush=True)
+    use_header(None)
+
+
+if __name__ == "__main__":
+    main()
