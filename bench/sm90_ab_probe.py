@@ -78,13 +78,21 @@ CONFIGS = {
 }
 
 
-def config_case(name, label):
-    d, mask, batch, seqlen, heads, kv_heads, _ = CONFIGS[name]
+def shape_case(d, mask, batch, seqlen, heads, kv_heads):
+    """Input sets past L2 and the forward FLOPs of one shape (visible pairs only for a window)."""
     sets = input_sets(batch, seqlen, heads, d, kv_heads=kv_heads)
-    flops = forward_flops(batch, heads, seqlen, seqlen, d, mask == "causal")
-    spec = AttentionSpec(head_dim=d, mask=mask, gqa_ratio=heads // kv_heads, family="fwd_sm90",
-                         config=sm90.Sm90Config.from_label(label.split("/")[0]).to_dict())
-    return (lambda q, k, v: attngen.attention(q, k, v, spec)), sets, flops
+    if mask.startswith("sliding_window"):
+        flops = sum(min(i + 1, WINDOW) for i in range(seqlen)) * 4 * d * heads * batch
+    else:
+        flops = forward_flops(batch, heads, seqlen, seqlen, d, mask == "causal")
+    return sets, flops
+
+
+def runner(d, mask, heads, kv_heads, label):
+    """attngen on fwd_sm90 with the config `label` (None: the default; a "/q2" suffix is the caller's)."""
+    config = sm90.Sm90Config.from_label(label.split("/")[0]).to_dict() if label else None
+    spec = AttentionSpec(head_dim=d, mask=mask, gqa_ratio=heads // kv_heads, family="fwd_sm90", config=config)
+    return lambda q, k, v: attngen.attention(q, k, v, spec)
 
 
 def cudnn_ms(mask, heads, kv_heads, sets):
@@ -98,16 +106,14 @@ def cudnn_ms(mask, heads, kv_heads, sets):
 def compare_configs(names, rounds):
     for name in names:
         d, mask, batch, seqlen, heads, kv_heads, labels = CONFIGS[name]
-        line = [f"{name:16s}"]
+        sets, flops = shape_case(d, mask, batch, seqlen, heads, kv_heads)
+        ref = cudnn_ms(mask, heads, kv_heads, sets)
+        line = [f"{name:16s}", f"cuDNN {ref:.3f}ms {flops / ref / 1e9:4.0f}"]
         for r in range(rounds):
             for label in labels if r % 2 == 0 else labels[::-1]:
                 sm90.Q_BUFFERS_MAX = 2 if label.endswith("/q2") else 3
                 use_header(None)
-                run, sets, flops = config_case(name, label)
-                if not line[1:]:
-                    ref = cudnn_ms(mask, heads, kv_heads, sets)
-                    line.append(f"cuDNN {ref:.3f}ms {flops / ref / 1e9:4.0f}")
-                ms = time_ms(run, sets)
+                ms = time_ms(runner(d, mask, heads, kv_heads, label), sets)
                 line.append(f"{label} {ms:.3f}ms {flops / ms / 1e9:4.0f}")
         print("  ".join(line), flush=True)
     sm90.Q_BUFFERS_MAX = 3
@@ -115,14 +121,8 @@ def compare_configs(names, rounds):
 
 def dense_case(name):
     d, mask, batch, seqlen, heads, kv_heads, label = DENSE[name]
-    sets = input_sets(batch, seqlen, heads, d, kv_heads=kv_heads)
-    if mask.startswith("sliding_window"):
-        flops = sum(min(i + 1, WINDOW) for i in range(seqlen)) * 4 * d * heads * batch
-    else:
-        flops = forward_flops(batch, heads, seqlen, seqlen, d, mask == "causal")
-    config = sm90.Sm90Config.from_label(label).to_dict() if label else None
-    spec = AttentionSpec(head_dim=d, mask=mask, gqa_ratio=heads // kv_heads, family="fwd_sm90", config=config)
-    run = lambda q, k, v: attngen.attention(q, k, v, spec)  # noqa: E731
+    sets, flops = shape_case(d, mask, batch, seqlen, heads, kv_heads)
+    run = runner(d, mask, heads, kv_heads, label)
 
     def cudnn():
         return cudnn_ms(mask, heads, kv_heads, sets) if mask in ("none", "causal") else None

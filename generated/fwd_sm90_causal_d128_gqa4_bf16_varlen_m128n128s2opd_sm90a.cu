@@ -995,7 +995,7 @@ struct Consumer {
         if (tid == 0) mbar_arrive(smem_u32(&pipe.v_empty[pos % NUM_STAGES]));
     }
     // This thread's rows of a tile: row0 and row0 + 8.
-    __device__ __forceinline__ int first_row_of(const Tile& tile) const {
+    __device__ __forceinline__ int thread_row0(const Tile& tile) const {
         return tile.m_block * BLOCK_M + wg * 64 + warp * 16 + lane / 4;
     }
 
@@ -1025,7 +1025,7 @@ struct Consumer {
 
     // The tile's row statistics are final: write its LSE, keep what normalises O for the epilogue.
     __device__ __forceinline__ void finish(const Tile& tile, int qb, int last, int j) {
-        const int row0 = first_row_of(tile);
+        const int row0 = thread_row0(tile);
         done.tile = tile;
         done.qb = qb;
         done.last = last;
@@ -1147,7 +1147,7 @@ struct Consumer {
     // OVERLAP: each step issues S of block it and P V of block it-1 together and runs the softmax of
     // block it while P V runs. The tile's first S goes with the previous tile's last P V (CARRY).
     __device__ __forceinline__ void overlapped_tile(const Tile& tile, const Blocks& b, int qb, int j) {
-        const int n = b.count(), row0 = first_row_of(tile);
+        const int n = b.count(), row0 = thread_row0(tile);
         const u32 q = q_rows(qb);
         start_rows();
         if (CARRY && pending) first_block<CARRY>(tile, b, q, row0, j);
@@ -1183,7 +1183,7 @@ struct Consumer {
 
     // Without OVERLAP: S, softmax and P V of one block after the other.
     __device__ __forceinline__ void serial_tile(const Tile& tile, const Blocks& b, int qb, int j) {
-        const int n = b.count(), row0 = first_row_of(tile);
+        const int n = b.count(), row0 = thread_row0(tile);
         const u32 q = q_rows(qb);
         start_rows();
         zero_o();
