@@ -10,7 +10,6 @@ first argument, if given, is a file the lines are also written to.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -20,18 +19,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import attngen
 from attngen.bench_decode import HEAD_DIM, HEADS_KV, HEADS_Q, SHAPES, _copy_bandwidth, _graph_ms, _paged
 from attngen.families.decode_sm80.family import DecodeConfig
+from bench.decode_paged_probe import json_lines
 
 LABELS = ("m16n64w4s3", "m16n64w4s3t", "m16n64w4s2t", "m16n64w4s4t", "m16n128w4s2t", "m16n128w8s3t",
           "m16n32w2s4t")
-sink = open(sys.argv[1], "w") if len(sys.argv) > 1 else None
-
-
-def emit(**row) -> None:
-    line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
-    print(line, flush=True)
-    if sink:
-        sink.write(line + "\n")
-        sink.flush()
+emit = json_lines(open(sys.argv[1], "w") if len(sys.argv) > 1 else None)
 
 
 def spec_of(label: str) -> attngen.AttentionSpec:

@@ -491,6 +491,16 @@ constexpr int MERGE_BYTES = NUM_WARPS * BLOCK_M * (MERGE_ROW + 2) * 4;
 constexpr int ALIGN_SLACK = TMA ? 1024 : 0;
 constexpr int BARS_OFFSET = TILE_BYTES > MERGE_BYTES ? TILE_BYTES : MERGE_BYTES;
 constexpr int SMEM_BYTES = ALIGN_SLACK + BARS_OFFSET + (TMA ? (8 * NUM_STAGES + 15) / 16 * 16 : 0);  // family.py smem_bytes()
+// cp.async: 16-byte chunks of K (and of V) per thread and block, and how many of them the compiler
+// may overlap: their addresses are computed ahead of the copies, 4 registers each, while O is live
+// (16 at d256 would spill).
+constexpr int COPIES = (BLOCK_N * CHUNKS + THREADS - 1) / THREADS;
+constexpr int COPY_UNROLL = COPIES < 8 ? COPIES : 8;
+// Paged cp.async: a refill reads the page ids of the block this many refills later. Ids read at key
+// iteration it may come back only after the copies issued before them (blocks up to it + NUM_STAGES
+// - 2); they are used at iteration it + IDS_AHEAD, which has waited for block it + IDS_AHEAD: so at
+// least NUM_STAGES - 2 ahead.
+constexpr int IDS_AHEAD = NUM_STAGES > 3 ? NUM_STAGES - 2 : 1;
 constexpr int MIN_BOX_ROWS = 8;               // family.py MIN_BOX_ROWS: at most BLOCK_N / 8 boxes per block
 constexpr float LOG2E = 1.4426950408889634f;
 // Q fragments stay in registers up to d128; at d256 they are re-read from shared memory per k16
@@ -574,24 +584,67 @@ __device__ __forceinline__ void flash_decode(const P& p) {
         }
         return true;
     };
-    // cp.async: every thread copies 16-byte chunks into their swizzled places.
-    auto load_kv = [&](int it) {
+    // Paged: the page ids a block touches (at most 32, so pages of more than about BLOCK_N / 30 rows;
+    // tiny pages take row_offsets' per-row lookup) sit in the lanes of every warp, lane j holding the
+    // block's j-th page, and each row takes its id by a shuffle. A refill first reads the ids of the
+    // block IDS_AHEAD refills later, then issues its copies: a load issued behind a thread's copies
+    // seems to come back only after them (ids read after the copies: 64 x 16384 6% slower on the H200).
+    const bool lane_pages = PAGED && (BLOCK_N - 1) / p.page_size + 2 <= 32 && p.page_size + BLOCK_N <= (1 << 22);
+    // A row's page within its block, (slot + 0.5) * (1 / page_size) rounded down, every step rounded
+    // to nearest in fp32: exact while slot < page_size + BLOCK_N <= 2^22 (checked exhaustively up to
+    // page size 4096, sampled beyond), and no integer division per row.
+    const float inv_page_size = __frcp_rn((float)p.page_size);
+    auto block_pages = [&](int it) {  // this lane's page id of block `it`, or -1 (none, or unlisted)
+        const int n0 = (n_begin + it) * BLOCK_N, first = n0 / p.page_size;
+        const int last = (min(n0 + BLOCK_N, Sk) - 1) / p.page_size;  // the last page with a listed row
+        if (!lane_pages || it >= n_blocks || n0 >= Sk || first + lane > last) return -1;
+        return p.page_table[(i64)batch * p.pt_sb + first + lane];
+    };
+    // cp.async: every thread copies 16-byte chunks of block `it` into their swizzled places, a row's
+    // offsets from `offsets(n0, r, real, k_off, v_off)` (false: the row is zero-filled). Every thread
+    // runs every chunk (`real`: the chunk exists), so `offsets` may shuffle. Each way of finding a row
+    // is its own straight-line loop: runtime branches per chunk kept ptxas from overlapping the chunks'
+    // address arithmetic (paged decode ran at 0.6x the contiguous cache's speed with them).
+    auto copy_block = [&](int it, auto offsets) {
         const int stage = it % NUM_STAGES, n0 = (n_begin + it) * BLOCK_N;
         const u32 dk = sKV + 2 * stage * KV_TILE_BYTES, dv = dk + KV_TILE_BYTES;
-#pragma unroll
-        for (int i = 0; i < (BLOCK_N * CHUNKS + THREADS - 1) / THREADS; ++i) {
+#pragma unroll(COPY_UNROLL)
+        for (int i = 0; i < COPIES; ++i) {
             const int c = threadIdx.x + i * THREADS;
-            if ((BLOCK_N * CHUNKS) % THREADS == 0 || c < BLOCK_N * CHUNKS) {
-                const int r = c / CHUNKS, chunk = c % CHUNKS;
+            const int r = c / CHUNKS, chunk = c % CHUNKS;
+            const bool real = (BLOCK_N * CHUNKS) % THREADS == 0 || c < BLOCK_N * CHUNKS;
+            i64 k_off, v_off;
+            const bool in = offsets(n0, r, real, k_off, v_off);
+            if (real) {
                 const u32 at = (chunk / 8) * SUBTILE_BYTES + r * 128 + ((chunk % 8) ^ (r % 8)) * 16;
-                i64 k_off, v_off;
-                const bool in = row_offsets(n0 + r, k_off, v_off);
                 // Rows past the cache come back as zeros: never NaN into the tensor cores.
                 cp_async_16(dk + at, k_head + k_off + chunk * 8, in);
                 cp_async_16(dv + at, v_head + v_off + chunk * 8, in);
             }
         }
         cp_async_commit();
+    };
+    // `ids`: block_pages(it) (unused without lane_pages).
+    auto load_kv = [&](int it, int ids) {
+        if (lane_pages) {
+            const int at_page = (n_begin + it) * BLOCK_N % p.page_size;  // the block's first row's slot
+            copy_block(it, [&](int n0, int r, bool real, i64& k_off, i64& v_off) {
+                const int j = __float2int_rd(__fmul_rn(__fadd_rn((float)(at_page + r), 0.5f), inv_page_size));
+                const int slot = at_page + r - j * p.page_size;
+                const int page = __shfl_sync(0xffffffffu, ids, j);
+                const bool listed = real && n0 + r < Sk, valid = (unsigned)page < (unsigned)p.num_pages;
+                bad |= listed && !valid;  // a bad page id is never followed: the sequence's rows become NaN
+                const i64 at = valid ? page : 0;
+                k_off = at * p.k_sp + (i64)slot * p.k_ss;
+                v_off = at * p.v_sp + (i64)slot * p.v_ss;
+                return listed && valid;
+            });
+        } else {
+            copy_block(it, [&](int n0, int r, bool real, i64& k_off, i64& v_off) {
+                k_off = v_off = 0;
+                return real && row_offsets(n0 + r, k_off, v_off);
+            });
+        }
     };
     // TMA, issued by warp 0. Contiguous: one box of BLOCK_N rows per sub-tile of K and of V. Paged:
     // lane j takes the block's j-th run of p.box_rows rows (inside one page, since box_rows divides
@@ -683,13 +736,20 @@ __device__ __forceinline__ void flash_decode(const P& p) {
     }
     cp_async_commit();
     // Every stage of the ring is filled at once (a split of up to NUM_STAGES blocks requests all of
-    // them before the first lands); a stage is refilled once every warp has read its block.
+    // them before the first lands); a stage is refilled once every warp has read its block. (Reading
+    // the ring's page ids before Q's copies measured no faster.)
+    int ahead_ids[IDS_AHEAD];  // cp.async, lane_pages: block_pages of the next IDS_AHEAD blocks to load
     if (tma) {
         start_tma_ring();
     } else {
+        int ids[NUM_STAGES];
+#pragma unroll
+        for (int s = 0; s < NUM_STAGES; ++s) ids[s] = block_pages(s);
+#pragma unroll
+        for (int a = 0; a < IDS_AHEAD; ++a) ahead_ids[a] = block_pages(NUM_STAGES + a);
 #pragma unroll
         for (int s = 0; s < NUM_STAGES; ++s) {
-            if (s < n_blocks) load_kv(s);
+            if (s < n_blocks) load_kv(s, ids[s]);
             else cp_async_commit();  // empty groups keep the wait counts uniform
         }
     }
@@ -757,7 +817,11 @@ __device__ __forceinline__ void flash_decode(const P& p) {
                     next_page = tma_page(it + NUM_STAGES);
                 }
             } else if (it - 1 + NUM_STAGES < n_blocks) {
-                load_kv(it - 1 + NUM_STAGES);
+                const int ids = ahead_ids[0];
+#pragma unroll
+                for (int a = 0; a + 1 < IDS_AHEAD; ++a) ahead_ids[a] = ahead_ids[a + 1];
+                ahead_ids[IDS_AHEAD - 1] = block_pages(it - 1 + NUM_STAGES + IDS_AHEAD);  // before the copies
+                load_kv(it - 1 + NUM_STAGES, ids);
             } else {
                 cp_async_commit();  // empty groups keep the wait counts uniform
             }

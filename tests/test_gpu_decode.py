@@ -78,12 +78,13 @@ def _loads_spec(loads, **fields):
 LOADS = ["cp_async", "tma"]
 
 
-@pytest.mark.parametrize("paged, page_size", [(True, 16), (True, 64), (True, 100), (True, 256), (True, 8),
+@pytest.mark.parametrize("paged, page_size", [(True, 16), (True, 64), (True, 100), (True, 256), (True, 8), (True, 2),
                                               (False, None)])
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 16])
 @pytest.mark.parametrize("loads", LOADS)
 def test_lengths_pages_and_splits_match_the_reference(paged, page_size, num_splits, loads):
-    """Page 100 shares 4 rows with a 64-key block: a TMA plan takes cp.async there; page 8: 8 boxes a block."""
+    """Page 100 shares 4 rows with a 64-key block: a TMA plan takes cp.async there; page 8: 8 boxes a block;
+    page 2: 33 pages a block, more than cp.async's lanes hold (flash_decode.cuh block_pages), so ids per row."""
     import torch
 
     spec = _loads_spec(loads, head_dim=128, gqa_ratio=4)
