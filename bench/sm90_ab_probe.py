@@ -46,7 +46,9 @@ def _render(text, plan):
 
 # name -> (head_dim, mask, batch, seqlen, heads, kv_heads, config label or None for the default)
 DENSE = {
+    "d128-causal-512": (128, "causal", 32, 512, 16, 16, None),
     "d128-causal-2k": (128, "causal", 8, 2048, 16, 16, None),
+    "d128-none-2k": (128, "none", 8, 2048, 16, 16, None),
     "d128-causal-16k": (128, "causal", 1, 16384, 16, 16, None),
     "d128-none-2k-n176": (128, "none", 8, 2048, 16, 16, "m128n176s2opr"),
     "d128-none-2k-n128": (128, "none", 8, 2048, 16, 16, "m128n128s2opr"),
@@ -56,6 +58,7 @@ DENSE = {
     "d64-causal-2k-pairs": (64, "causal", 8, 2048, 32, 32, "m192n128s2opr"),
     "d64-causal-2k-dyn": (64, "causal", 8, 2048, 32, 32, "m192n128s2opd"),
     "d64-causal-4k-pairs": (64, "causal", 4, 4096, 32, 32, "m192n128s2opr"),
+    "d64-causal-4k-dyn": (64, "causal", 4, 4096, 32, 32, "m192n128s2opd"),
     "d64-none-2k": (64, "none", 8, 2048, 32, 32, None),
     "gqa-causal-8k": (128, "causal", 2, 8192, 32, 8, None),
     "window4096-16k": (128, f"sliding_window({WINDOW - 1}, 0)", 1, 16384, 16, 16, None),
@@ -64,8 +67,10 @@ DENSE = {
 
 # name -> (head_dim, mask, batch, seqlen, heads, kv_heads, [config label, optionally + "/q2"])
 CONFIGS = {
-    "d64-causal-2k": (64, "causal", 8, 2048, 32, 32, ["m192n128s2op", "m192n128s2opd", "m192n128s2opr"]),
-    "d64-causal-4k": (64, "causal", 4, 4096, 32, 32, ["m192n128s2op", "m192n128s2opd", "m192n128s2opr"]),
+    "d64-causal-2k": (64, "causal", 8, 2048, 32, 32, ["m192n128s2op", "m192n128s2opd", "m192n128s2opr",
+                                                      "m192n128s3opd", "m128n128s2opd", "m192n64s3opd"]),
+    "d64-causal-4k": (64, "causal", 4, 4096, 32, 32, ["m192n128s2op", "m192n128s2opd", "m192n128s2opr",
+                                                      "m192n128s3opd", "m128n128s2opd", "m192n64s3opd"]),
     "d64-causal-16k": (64, "causal", 1, 16384, 32, 32, ["m192n128s2op", "m192n128s2opd", "m192n128s2opr"]),
     "d128-none-2k": (128, "none", 8, 2048, 16, 16, ["m128n176s2opr", "m128n160s2opr", "m128n128s2opr", "m128n128s2opr/q2"]),
     "d128-none-4k": (128, "none", 4, 4096, 16, 16, ["m128n176s2opr", "m128n160s2opr", "m128n128s2opr"]),

@@ -112,6 +112,13 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
                      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     } while (!done);
 }
+// Whether the phase of parity `parity` has completed, without waiting.
+__device__ __forceinline__ bool mbar_test(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    return done != 0;
+}
 
 // -- TMA: 4-d tiles (head_dim, seq, head, batch) between global memory and shared memory --
 __device__ __forceinline__ void tma_prefetch(const TensorMap* map) {

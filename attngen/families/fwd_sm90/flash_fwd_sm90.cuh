@@ -245,8 +245,26 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
         tma_prefetch(&p.tmap_k);
         tma_prefetch(&p.tmap_v);
     }
+    // Round j's Q into buffer j % Q_BUFFERS, which the consumers free once that buffer's previous
+    // tile's output has been stored from it.
+    auto load_q = [&](const Tile& tile, int j) {
+        if (!leader) return;
+        const int qb = j % Q_BUFFERS;
+        const u32 q_full = smem_u32(&pipe.q_full[qb]);
+        mbar_expect_tx(q_full, Q_BYTES);
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c)
+            tma_load(sQ + qb * Q_BYTES + c * Q_CHUNK, &p.tmap_q, q_full, c * 64, first_row(tile) + tile.m_block * BLOCK_M,
+                     tile.head, tile.batch);
+        trace(TRACE_PRODUCER, j, Q_ISSUED);
+    };
+    auto q_free = [&](int j) { return smem_u32(&pipe.q_empty[j % Q_BUFFERS]); };
+    auto q_free_parity = [](int j) { return ((j / Q_BUFFERS) & 1) ^ 1; };
     int g = 0;  // K/V blocks loaded so far: the ring's position runs on across tiles
     int t = tile_index(0, tiles);
+    Tile tile{};
+    if (t < tiles) tile = tile_of(p, t);
+    bool q_ahead = false;  // round j's Q was issued during round j - 1
 #pragma unroll 1
     for (int j = 0;; ++j) {
         if (t >= tiles) {  // the end, once the consumers have read the last tile
@@ -257,7 +275,6 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
             }
             break;
         }
-        const Tile tile = tile_of(p, t);
         const Blocks b = kv_blocks(p, tile);
         mbar_wait(smem_u32(&pipe.tile_empty), (j & 1) ^ 1);  // the consumers have read the previous tile
         if (leader) {
@@ -272,19 +289,26 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
         } else {
             next = tile_index(j + 1, tiles);
         }
-        const int qb = j % Q_BUFFERS;
-        const int m0 = tile.m_block * BLOCK_M, kv_head = tile.head / GQA_RATIO;  // query head h reads kv head h // ratio
-        // The consumers free a Q buffer once its tile's output, staged there, has been stored.
-        mbar_wait(smem_u32(&pipe.q_empty[qb]), ((j / Q_BUFFERS) & 1) ^ 1);
-        if (leader) {
-            const u32 q_full = smem_u32(&pipe.q_full[qb]);
-            mbar_expect_tx(q_full, Q_BYTES);
-#pragma unroll
-            for (int c = 0; c < CHUNKS; ++c)
-                tma_load(sQ + qb * Q_BYTES + c * Q_CHUNK, &p.tmap_q, q_full, c * 64, first_row(tile) + m0,
-                         tile.head, tile.batch);
-            trace(TRACE_PRODUCER, j, Q_ISSUED);
+        if (!q_ahead) {
+            mbar_wait(q_free(j), q_free_parity(j));
+            load_q(tile, j);
         }
+        // The next tile's Q goes out a tile ahead, as soon as its buffer is free: tested (never waited
+        // on) after each block's loads, so a short tile's successor does not wait for its Q behind
+        // this tile's last K/V (docs/perf-notes.md "Across tile boundaries"). With one Q buffer the
+        // next Q waits for this tile's output, at the next round.
+        bool next_q = false;
+        Tile next_tile = tile;
+        auto try_next_q = [&]() {
+            if (Q_BUFFERS < 2 || next_q || next >= tiles) return;
+            bool free = leader && mbar_test(q_free(j + 1), q_free_parity(j + 1));
+            if constexpr (DYNAMIC) free = __shfl_sync(0xffffffffu, free, 0);  // the warp agrees
+            if (!free) return;
+            next_tile = tile_of(p, next);
+            load_q(next_tile, j + 1);
+            next_q = true;
+        };
+        const int kv_head = tile.head / GQA_RATIO;  // query head h reads kv head h // ratio
 #pragma unroll 1
         for (int it = 0; it < b.count(); ++it, ++g) {
             const int stage = g % NUM_STAGES;
@@ -311,8 +335,12 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
                              kv_head, tile.batch);
                 if (it == 0) trace(TRACE_PRODUCER, j, V0_ISSUED);
             }
+            try_next_q();
         }
+        try_next_q();  // a tile without key blocks
+        q_ahead = next_q;
         t = next;
+        if (t < tiles) tile = next_q ? next_tile : tile_of(p, t);
     }
 }
 
