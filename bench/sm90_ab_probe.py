@@ -65,6 +65,10 @@ DENSE = {
 }
 
 
+# Configs for the packed documents (varlen: the dynamic schedule only).
+DOCUMENT_CONFIGS = ["m128n128s2opd", "m128n64s2opd", "m128n128s3opd", "m192n128s2opd", "m128n128s2od",
+                    "m128n128s2opd/q2"]
+
 # name -> (head_dim, mask, batch, seqlen, heads, kv_heads, [config label, optionally + "/q2"])
 CONFIGS = {
     "d64-causal-2k": (64, "causal", 8, 2048, 32, 32, ["m192n128s2op", "m192n128s2opd", "m192n128s2opr",
@@ -110,15 +114,26 @@ def cudnn_ms(mask, heads, kv_heads, sets):
 
 def compare_configs(names, rounds):
     for name in names:
-        d, mask, batch, seqlen, heads, kv_heads, labels = CONFIGS[name]
-        sets, flops = shape_case(d, mask, batch, seqlen, heads, kv_heads)
-        ref = cudnn_ms(mask, heads, kv_heads, sets)
-        line = [f"{name:16s}", f"cuDNN {ref:.3f}ms {flops / ref / 1e9:4.0f}"]
+        if name == "documents":  # attention_varlen takes no spec: its default config is swapped in
+            run_with, sets, flops, _ = documents_case()
+            line = [f"{name:16s}"]
+        else:
+            d, mask, batch, seqlen, heads, kv_heads, labels = CONFIGS[name]
+            sets, flops = shape_case(d, mask, batch, seqlen, heads, kv_heads)
+            ref = cudnn_ms(mask, heads, kv_heads, sets)
+            line = [f"{name:16s}", f"cuDNN {ref:.3f}ms {flops / ref / 1e9:4.0f}"]
+        labels = DOCUMENT_CONFIGS if name == "documents" else labels
         for r in range(rounds):
             for label in labels if r % 2 == 0 else labels[::-1]:
                 sm90.Q_BUFFERS_MAX = 2 if label.endswith("/q2") else 3
                 use_header(None)
-                ms = time_ms(runner(d, mask, heads, kv_heads, label), sets)
+                if name == "documents":
+                    config = sm90.Sm90Config.from_label(label.split("/")[0])
+                    get_family("fwd_sm90").default_config = lambda problem, target, config=config: config
+                    ms = time_ms(run_with, sets)
+                    del get_family("fwd_sm90").default_config
+                else:
+                    ms = time_ms(runner(d, mask, heads, kv_heads, label), sets)
                 line.append(f"{label} {ms:.3f}ms {flops / ms / 1e9:4.0f}")
         print("  ".join(line), flush=True)
     sm90.Q_BUFFERS_MAX = 3
@@ -146,7 +161,8 @@ def documents_case():
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", type=Path, help="the other version of flash_fwd_sm90.cuh")
-    parser.add_argument("--configs", action="store_true", help="compare the working tree's configs (CONFIGS)")
+    parser.add_argument("--configs", action="store_true",
+                        help="compare the working tree's configs (CONFIGS; documents: DOCUMENT_CONFIGS)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("cases", nargs="*")
     args = parser.parse_args()
