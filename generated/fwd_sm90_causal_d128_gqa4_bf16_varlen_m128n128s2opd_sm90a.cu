@@ -703,6 +703,14 @@ __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
 // -- producer: one thread issues every load, tile after tile (DYNAMIC: its whole warp runs the loop,
 // and lane 0 issues: warp-uniform values stay in uniform registers, where the producer's 24 or 32
 // registers a thread cannot hold them all) -------------------------------------------------
+// gridDim.x read where it is used (asm volatile: not hoisted), so the producer's 24 registers do not
+// hold it across the loop (ptxas spilled it there).
+__device__ __forceinline__ int grid_size() {
+    u32 n;
+    asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
+    return static_cast<int>(n);
+}
+
 __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ, u32 sK, u32 sV, int tiles) {
     const bool leader = threadIdx.x == 0;
     if (leader) {
@@ -727,8 +735,6 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
     auto q_free_parity = [](int j) { return ((j / Q_BUFFERS) & 1) ^ 1; };
     int g = 0;  // K/V blocks loaded so far: the ring's position runs on across tiles
     int t = tile_index(0, tiles);
-    Tile tile{};
-    if (t < tiles) tile = tile_of(p, t);
     bool q_ahead = false;  // round j's Q was issued during round j - 1
 #pragma unroll 1
     for (int j = 0;; ++j) {
@@ -740,6 +746,7 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
             }
             break;
         }
+        const Tile tile = tile_of(p, t);
         const Blocks b = kv_blocks(p, tile);
         mbar_wait(smem_u32(&pipe.tile_empty), (j & 1) ^ 1);  // the consumers have read the previous tile
         if (leader) {
@@ -750,7 +757,7 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
         if constexpr (DYNAMIC) {
             int fetched = 0;
             if (leader) fetched = atomicAdd(p.tile_counter, 1);  // its latency hides under this tile's loads
-            next = __shfl_sync(0xffffffffu, fetched, 0) + static_cast<int>(gridDim.x);
+            next = __shfl_sync(0xffffffffu, fetched, 0) + grid_size();  // read here: not held in a register
         } else {
             next = tile_index(j + 1, tiles);
         }
@@ -760,17 +767,15 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
         }
         // The next tile's Q goes out a tile ahead, as soon as its buffer is free: tested (never waited
         // on) after each block's loads, so a short tile's successor does not wait for its Q behind
-        // this tile's last K/V (docs/perf-notes.md "Across tile boundaries"). With one Q buffer the
-        // next Q waits for this tile's output, at the next round.
+        // this tile's last K/V (docs/perf-notes.md "The next tile's Q a tile ahead"). With one Q
+        // buffer the next Q waits for this tile's output, at the next round.
         bool next_q = false;
-        Tile next_tile = tile;
         auto try_next_q = [&]() {
             if (Q_BUFFERS < 2 || next_q || next >= tiles) return;
             bool free = leader && mbar_test(q_free(j + 1), q_free_parity(j + 1));
             if constexpr (DYNAMIC) free = __shfl_sync(0xffffffffu, free, 0);  // the warp agrees
             if (!free) return;
-            next_tile = tile_of(p, next);
-            load_q(next_tile, j + 1);
+            load_q(tile_of(p, next), j + 1);  // worked out again at the next round (no Tile kept: stack)
             next_q = true;
         };
         const int kv_head = tile.head / GQA_RATIO;  // query head h reads kv head h // ratio
@@ -805,7 +810,6 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
         try_next_q();  // a tile without key blocks
         q_ahead = next_q;
         t = next;
-        if (t < tiles) tile = next_q ? next_tile : tile_of(p, t);
     }
 }
 
