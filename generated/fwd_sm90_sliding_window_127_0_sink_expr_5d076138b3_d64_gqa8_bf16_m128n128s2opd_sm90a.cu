@@ -735,9 +735,6 @@ __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
     return b;
 }
 
-// -- producer: one thread issues every load, tile after tile (DYNAMIC: its whole warp runs the loop,
-// and lane 0 issues: warp-uniform values stay in uniform registers, where the producer's 24 or 32
-// registers a thread cannot hold them all) -------------------------------------------------
 // gridDim.x read where it is used (asm volatile: not hoisted), so the producer's 24 registers do not
 // hold it across the loop (ptxas spilled it there).
 __device__ __forceinline__ int grid_size() {
@@ -746,6 +743,9 @@ __device__ __forceinline__ int grid_size() {
     return static_cast<int>(n);
 }
 
+// -- producer: one thread issues every load, tile after tile (DYNAMIC: its whole warp runs the loop,
+// and lane 0 issues: warp-uniform values stay in uniform registers, where the producer's 24 or 32
+// registers a thread cannot hold them all) -------------------------------------------------
 __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ, u32 sK, u32 sV, int tiles) {
     const bool leader = threadIdx.x == 0;
     if (leader) {
