@@ -61,6 +61,31 @@ def time_ms(fn, input_sets, warmup: int = WARMUP, repeats: int = REPEATS) -> flo
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+ROUNDS = 5  # time_beside: runs per call, in turn with the others
+
+
+def time_beside(fns: dict, input_sets, rounds: int = ROUNDS, repeats: int = REPEATS // ROUNDS,
+                warmup: int = WARMUP) -> tuple[dict[str, float], dict[str, Exception]]:
+    """Median ms of each fn(*inputs), the calls timed in turn (`rounds` runs of `repeats` each, after
+    `warmup` calls of each; a call's time is the median of its runs' medians), so that every one sees
+    the same clocks: the GPU's clock falls ~12% within seconds of sustained load
+    (bench/window_alloc_probe.py), and a ratio of two calls timed apart compares two clocks. A call
+    that raises is left out, its exception returned."""
+    errors: dict[str, Exception] = {}
+    live = {}
+    for name, fn in fns.items():
+        try:
+            time_ms(fn, input_sets, warmup=warmup, repeats=1)
+            live[name] = fn
+        except Exception as exc:  # noqa: BLE001 - a peer missing on this machine is recorded, not fatal
+            errors[name] = exc
+    runs: dict[str, list[float]] = {name: [] for name in live}
+    for _ in range(rounds):
+        for name, fn in live.items():
+            runs[name].append(time_ms(fn, input_sets, warmup=0, repeats=repeats))
+    return {name: statistics.median(values) for name, values in runs.items()}, errors
+
+
 def input_sets(batch, seqlen, heads, head_dim, dtype="bfloat16", kv_heads=None):
     """(q, k, v) sets, enough of them that cycling through them exceeds L2 twice over."""
     import torch
@@ -133,13 +158,11 @@ def bench_config(head_dim: int, causal: bool, seqlen: int, gqa_ratio: int = 1) -
         if mismatch is not None:
             raise AssertionError(f"{name} output wrong in benchmark config d{head_dim} causal={causal} s{seqlen}: "
                                  f"{mismatch}")
-    for name, fn in impls.items():
-        try:
-            ms = time_ms(fn, sets)
-            row.tflops[name] = flops / (ms * 1e-3) / 1e12
-        except Exception as exc:  # a peer missing on this machine is recorded, not fatal
-            row.tflops[name] = None
-            row.errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    times, errors = time_beside(impls, sets)
+    for name in impls:
+        row.tflops[name] = flops / (times[name] * 1e-3) / 1e12 if name in times else None
+    for name, exc in errors.items():
+        row.errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     del sets
     torch.cuda.empty_cache()
     return row
@@ -162,7 +185,8 @@ def run_bench(out_dir: Path, quick: bool = False) -> list[dict]:
         "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version(),
         "setup": f"bf16, batch*seqlen={TOKENS}, hidden={HIDDEN}, fwd FLOPs 4*B*H*S*S*D (/2 causal), "
-                 f"median of {REPEATS} CUDA-event timings after {WARMUP} warm-ups, inputs rotated past L2",
+                 f"{ROUNDS} runs of {REPEATS // ROUNDS} CUDA-event timings per implementation, in turn with "
+                 f"the others, after {WARMUP} warm-ups; median of the runs' medians; inputs rotated past L2",
     }
     stem = f"fwd-{_slug(props.name)}-{meta['date']}" + ("-quick" if quick else "")
     (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows],

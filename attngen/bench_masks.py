@@ -18,7 +18,11 @@ same process: d128, 16 heads, bf16, one 16384-token sequence.
                 blocks and every 8th one): FlexAttention with its BlockMask, attngen with the same
                 BlockMask (block_mask=, lowered per call) and as an expression; useful TFLOP/s
 
-FLOPs are counted over visible (query, key) pairs only: 4 * D per pair."""
+FLOPs are counted over visible (query, key) pairs only: 4 * D per pair. Every ratio's times are taken
+side by side (attngen/bench.py `time_beside`: the calls alternate in short runs): the GPU's clock
+falls ~12% within seconds of sustained load (`bench/window_alloc_probe.py`: the built-in causal
+1.61 ms on a rested GPU, 1.80 ms a few seconds on), so a reference timed first and a case timed
+later would compare two clocks."""
 
 from __future__ import annotations
 
@@ -38,6 +42,16 @@ def _time_ms(fn, repeats: int = 20) -> float:
     from attngen.bench import time_ms
 
     return time_ms(lambda: fn(), [()], warmup=3, repeats=repeats)
+
+
+def _beside(**fns) -> dict[str, float]:
+    """attngen/bench.py time_beside over these calls (no inputs to rotate: one 16k sequence)."""
+    from attngen.bench import time_beside
+
+    times, errors = time_beside(fns, [()], warmup=2, repeats=6)
+    if errors:
+        raise next(iter(errors.values()))
+    return times
 
 
 def _document_ids(seed: int = 0):
@@ -69,18 +83,22 @@ def run_mask_bench(out_dir: Path) -> dict:
         return lambda: attngen.attention(q, k, v, **kwargs)
 
     with torch.no_grad():
-        causal_ms = _time_ms(attn(mask="causal"))
-        expr_ms = _time_ms(attn(mask="q_idx >= kv_idx"))
-        results["causal_expr"] = {"causal_ms": causal_ms, "expression_ms": expr_ms, "ratio": expr_ms / causal_ms}
+        causal = attn(mask="causal")
+        t = _beside(causal=causal, expression=attn(mask="q_idx >= kv_idx"))
+        causal_ms = t["causal"]
+        results["causal_expr"] = {"causal_ms": causal_ms, "expression_ms": t["expression"],
+                                  "ratio": t["expression"] / causal_ms}
 
         window_pairs = sum(min(i + 1, WINDOW) for i in range(SEQLEN))
-        window_ms = _time_ms(attn(mask=f"sliding_window({WINDOW - 1}, 0)"))
         window_mask = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < WINDOW), None, None, SEQLEN,
                                         SEQLEN, device="cuda")
-        flex_window_ms = _time_ms(lambda: flex(qt, kt, vt, block_mask=window_mask))
+        t = _beside(window=attn(mask=f"sliding_window({WINDOW - 1}, 0)"), causal=causal,
+                    flex=lambda: flex(qt, kt, vt, block_mask=window_mask))
+        window_ms, flex_window_ms = t["window"], t["flex"]
         fraction = window_pairs / causal_pairs
         results["window_4096"] = {"ms": window_ms, "flex_ms": flex_window_ms, "work_fraction": fraction,
-                                  "vs_fraction_of_causal": window_ms / (fraction * causal_ms),
+                                  "causal_ms": t["causal"],
+                                  "vs_fraction_of_causal": window_ms / (fraction * t["causal"]),
                                   "tflops": window_pairs * pair_flops / window_ms / 1e9,
                                   "flex_tflops": window_pairs * pair_flops / flex_window_ms / 1e9}
 
@@ -88,31 +106,39 @@ def run_mask_bench(out_dir: Path) -> dict:
         doc = ids.cuda()
         doc_pairs = int(sum(n * (n + 1) // 2 for n in lengths.tolist()))
         doc_text = "doc[b, q_idx] == doc[b, kv_idx] and causal"
-        doc_ms = _time_ms(attn(mask=doc_text, inputs={"doc": doc}))
         flat = doc[0]
         doc_mask = create_block_mask(lambda b, h, qi, ki: (flat[qi] == flat[ki]) & (qi >= ki), None, None, SEQLEN,
                                      SEQLEN, device="cuda")
-        flex_doc_ms = _time_ms(lambda: flex(qt, kt, vt, block_mask=doc_mask))
-        causal_tflops = causal_pairs * pair_flops / causal_ms / 1e9
+
+        def flex_doc():
+            return flex(qt, kt, vt, block_mask=doc_mask)
+
+        t = _beside(documents=attn(mask=doc_text, inputs={"doc": doc}), causal=causal, flex=flex_doc)
+        doc_ms, flex_doc_ms = t["documents"], t["flex"]
+        causal_tflops = causal_pairs * pair_flops / t["causal"] / 1e9
         doc_tflops = doc_pairs * pair_flops / doc_ms / 1e9
         results["documents"] = {"ms": doc_ms, "flex_ms": flex_doc_ms, "lengths": lengths.tolist(),
+                                "causal_ms": t["causal"],
                                 "tflops": doc_tflops, "flex_tflops": doc_pairs * pair_flops / flex_doc_ms / 1e9,
                                 "vs_dense_causal": doc_tflops / causal_tflops,
                                 "vs_flex": flex_doc_ms / doc_ms}
 
         # The same documents as FlashAttention's varlen layout (attngen.attention_varlen, cu_seqlens).
         cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32).cuda()
-        packed = [t[0] for t in (q, k, v)]
-        varlen_ms = _time_ms(lambda: attngen.varlen.attention_varlen(*packed, cu, cu, mask="causal"))
+        packed = [x[0] for x in (q, k, v)]
+        t = _beside(varlen=lambda: attngen.varlen.attention_varlen(*packed, cu, cu, mask="causal"), causal=causal,
+                    flex=flex_doc)
+        varlen_ms = t["varlen"]
         attngen.varlen.PER_SEQUENCE_TILES = False
         try:
             varlen_mask_ms = _time_ms(lambda: attngen.varlen.attention_varlen(*packed, cu, cu, mask="causal"))
         finally:
             attngen.varlen.PER_SEQUENCE_TILES = True
         varlen_tflops = doc_pairs * pair_flops / varlen_ms / 1e9
-        results["varlen_documents"] = {"ms": varlen_ms, "tflops": varlen_tflops, "flex_ms": flex_doc_ms,
-                                       "vs_dense_causal": varlen_tflops / causal_tflops,
-                                       "vs_flex": flex_doc_ms / varlen_ms, "document_mask_ms": varlen_mask_ms,
+        results["varlen_documents"] = {"ms": varlen_ms, "tflops": varlen_tflops, "flex_ms": t["flex"],
+                                       "causal_ms": t["causal"],
+                                       "vs_dense_causal": varlen_tflops / (causal_pairs * pair_flops / t["causal"] / 1e9),
+                                       "vs_flex": t["flex"] / varlen_ms, "document_mask_ms": varlen_mask_ms,
                                        "vs_document_ids": varlen_ms / doc_ms}
 
         start = time.perf_counter()
@@ -125,7 +151,7 @@ def run_mask_bench(out_dir: Path) -> dict:
         results["mask_build"] = {"flex_create_block_mask_ms": build_ms, "attngen_copy_ids_ms": copy_ms}
 
         results["block_sparse"] = _block_sparse(torch, attngen, create_block_mask, flex, q, k, v, qt, kt, vt,
-                                                pair_flops, causal_pairs / causal_ms)
+                                                pair_flops, causal_pairs, causal)
 
     props = torch.cuda.get_device_properties(0)
     meta = {"gpu": props.name, "date": _dt.date.today().isoformat(), "torch": torch.__version__,
@@ -145,7 +171,7 @@ LOCAL_BLOCKS = 3
 STRIDE_BLOCKS = 8
 
 
-def _block_sparse(torch, attngen, create_block_mask, flex, q, k, v, qt, kt, vt, pair_flops, causal_pairs_per_ms):
+def _block_sparse(torch, attngen, create_block_mask, flex, q, k, v, qt, kt, vt, pair_flops, causal_pairs, causal):
     """The block_sparse case: times and useful TFLOP/s of the three ways to run one pattern."""
     expression = (f"q_idx >= kv_idx and (q_idx // {BLOCK} - kv_idx // {BLOCK} < {LOCAL_BLOCKS} "
                   f"or (kv_idx // {BLOCK}) % {STRIDE_BLOCKS} == 0)")
@@ -157,13 +183,14 @@ def _block_sparse(torch, attngen, create_block_mask, flex, q, k, v, qt, kt, vt, 
     rows = torch.arange(SEQLEN, device="cuda")[:, None]
     pairs = sum(int(pattern(0, 0, rows[i:i + 1024], torch.arange(SEQLEN, device="cuda")[None, :]).sum())
                 for i in range(0, SEQLEN, 1024))
-    flex_ms = _time_ms(lambda: flex(qt, kt, vt, block_mask=bm))
-    block_mask_ms = _time_ms(lambda: attngen.attention(q, k, v, block_mask=bm, mask="causal"))
-    expression_ms = _time_ms(lambda: attngen.attention(q, k, v, mask=expression))
+    t = _beside(flex=lambda: flex(qt, kt, vt, block_mask=bm),
+                block_mask=lambda: attngen.attention(q, k, v, block_mask=bm, mask="causal"),
+                expression=lambda: attngen.attention(q, k, v, mask=expression), causal=causal)
+    flex_ms, block_mask_ms, expression_ms = t["flex"], t["block_mask"], t["expression"]
     tflops = {name: pairs * pair_flops / ms / 1e9 for name, ms in
               (("flex", flex_ms), ("block_mask", block_mask_ms), ("expression", expression_ms))}
-    causal_tflops = causal_pairs_per_ms * pair_flops / 1e9
-    return {"pairs_fraction_of_causal": pairs / (SEQLEN * (SEQLEN + 1) // 2), "flex_ms": flex_ms,
+    causal_tflops = causal_pairs / t["causal"] * pair_flops / 1e9
+    return {"pairs_fraction_of_causal": pairs / (SEQLEN * (SEQLEN + 1) // 2), "flex_ms": flex_ms, "causal_ms": t["causal"],
             "block_mask_ms": block_mask_ms, "expression_ms": expression_ms,
             **{f"{name}_tflops": value for name, value in tflops.items()},
             "block_mask_vs_flex": flex_ms / block_mask_ms, "expression_vs_flex": flex_ms / expression_ms,
