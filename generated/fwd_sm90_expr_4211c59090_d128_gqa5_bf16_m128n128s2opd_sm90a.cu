@@ -200,6 +200,8 @@ constexpr int Q_BUFFERS = 3;  // a second Q tile loads while the first one's til
 constexpr int GQA_RATIO = 5;
 constexpr bool OVERLAP = true;
 constexpr bool PINGPONG = true;
+// A row's softmax reference moves only when a block's max passes it by 2^8; O is rescaled only then.
+constexpr bool LAZY_RESCALE = false;
 // The tile schedule (dynamic): one CTA per tile, or one per SM dealt pairs of tiles / taking tiles from a counter.
 constexpr bool PAIRS = false;
 constexpr bool DYNAMIC = true;
@@ -468,13 +470,12 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[64], const u32 (&a)[4], u64 
 // through a NUM_STAGES-deep ring with TMA, completing on mbarriers; the ring runs on across tiles.
 // Warpgroups 1..CONSUMERS each own 64 query rows: S = Q K^T on wgmma (both operands in shared
 // memory), the online softmax in registers, O += P V on wgmma with P straight from registers.
-// OVERLAP issues S of block j+1 before the P V of block j, so the softmax of one block runs
-// under the other's GEMMs; PINGPONG makes the consumer warpgroups take turns issuing GEMMs, so
-// one's softmax runs under the other's. Key blocks the mask makes empty are never loaded;
-// blocks it makes full are never masked per element.
+// OVERLAP issues S of block j+1 together with the P V of block j, in one turn; PINGPONG makes the
+// consumer warpgroups take turns issuing GEMMs, so one's softmax runs under the other's. Key blocks
+// the mask makes empty are never loaded; blocks it makes full are never masked per element.
 // Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
-// CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PAIRS, DYNAMIC, VARLEN, SET_MAX_REGS,
-// PRODUCER_REGS, CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
+// CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PAIRS, DYNAMIC, VARLEN, LAZY_RESCALE,
+// SET_MAX_REGS, PRODUCER_REGS, CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
 // namespace score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2),
 // and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS); with ATTNGEN_DROPOUT, namespace dropout
 // (attngen/cuda/philox.cuh) and p.rng.
@@ -873,9 +874,19 @@ __device__ __forceinline__ float score_log2(const Params& p) {
     return score::MODIFIED ? 1.4426950408889634f : p.scale_log2;
 }
 
-// Online softmax in the log2 domain, in place: S becomes exp2(scaled S - max); alpha rescales what
-// was accumulated under the old max. A row whose max is still -inf uses 0 as its reference, so
-// exp2 gives 0 rather than NaN.
+// LAZY_RESCALE: a row's reference (row_max) moves only when a block's max passes it by more than
+// RESCALE_SLACK (log2 units); until then the block's exps are taken against the old reference and may
+// reach 2^RESCALE_SLACK = 256 (far inside fp16 and bf16), alpha is 1 and O is not rescaled (the
+// warp skips the multiplies when none of its rows moved). Row sums, O and the LSE all stay relative
+// to the one reference, so the result is the same up to rounding. Once a row's first blocks have set
+// it, the reference seldom moves. Planned where the skipped multiplies pay (family.py lazy_rescale):
+// three consumer warpgroups at head dim 64, short of issue slots (docs/perf-notes.md "Lazy rescaling").
+constexpr float RESCALE_SLACK = 8.f;
+
+// Online softmax in the log2 domain, in place: S becomes exp2(scaled S - reference), the reference
+// being the running max (LAZY_RESCALE: a max up to RESCALE_SLACK behind); alpha rescales what was
+// accumulated under the old reference. A row whose reference is still -inf uses 0 instead, so exp2
+// gives 0 rather than NaN.
 __device__ __forceinline__ void softmax_step(float (&s)[S_REGS], float (&row_max)[2], float (&row_sum)[2],
                                              float (&alpha)[2], float scale_log2) {
     float ref[2];
@@ -884,10 +895,19 @@ __device__ __forceinline__ void softmax_step(float (&s)[S_REGS], float (&row_max
         float mx = NEG_INF;
 #pragma unroll
         for (int c = 0; c < S_REGS / 4; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
-        mx = fmaxf(row_max[h], quad_max(mx) * scale_log2);  // scale > 0: the max of scaled scores
-        ref[h] = mx == NEG_INF ? 0.f : mx;
-        alpha[h] = fast_exp2(row_max[h] - ref[h]);
-        row_max[h] = mx;
+        mx = quad_max(mx) * scale_log2;  // scale > 0: the max of scaled scores
+        if constexpr (LAZY_RESCALE) {
+            const bool move = mx > row_max[h] + RESCALE_SLACK;  // from -inf: any finite max moves it
+            const float next = move ? mx : row_max[h];
+            ref[h] = next == NEG_INF ? 0.f : next;
+            alpha[h] = move ? fast_exp2(row_max[h] - ref[h]) : 1.f;
+            row_max[h] = next;
+        } else {
+            mx = fmaxf(row_max[h], mx);
+            ref[h] = mx == NEG_INF ? 0.f : mx;
+            alpha[h] = fast_exp2(row_max[h] - ref[h]);
+            row_max[h] = mx;
+        }
     }
     float sum[2] = {0.f, 0.f};
 #pragma unroll
@@ -902,6 +922,11 @@ __device__ __forceinline__ void softmax_step(float (&s)[S_REGS], float (&row_max
 __device__ __forceinline__ void rescale(float (&o)[O_REGS], const float (&alpha)[2]) {
 #pragma unroll
     for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[(i >> 1) & 1];
+}
+
+// The overlapped loop's rescale: under LAZY_RESCALE skipped by a warp none of whose rows moved its reference.
+__device__ __forceinline__ void rescale_if_moved(float (&o)[O_REGS], const float (&alpha)[2]) {
+    if (!LAZY_RESCALE || __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) rescale(o, alpha);
 }
 
 // The accumulator layout of two n8 column groups is the A-operand layout of one k16 step.
@@ -1166,8 +1191,11 @@ struct Consumer {
         trace(wg, j, FIRST_SOFTMAX);
     }
 
-    // OVERLAP: each step issues S of block it and P V of block it-1 together and runs the softmax of
-    // block it while P V runs. The tile's first S goes with the previous tile's last P V (CARRY).
+    // OVERLAP: each step issues S of block it and P V of block it-1 together, then the softmax of block
+    // it. ptxas moves the wait for that P V above the softmax (to interleave the packing of P and O's
+    // rescale with the exponentials), so the softmax runs under the other warpgroups' GEMMs (PINGPONG),
+    // not its own P V: keeping the wait below measured slower (docs/perf-notes.md "The softmax under
+    // its own P V"). The tile's first S goes with the previous tile's last P V (CARRY).
     __device__ __forceinline__ void overlapped_tile(const Tile& tile, const Blocks& b, int qb, int j) {
         const int n = b.count(), row0 = thread_row0(tile);
         const u32 q = q_rows(qb);
@@ -1191,7 +1219,7 @@ struct Consumer {
             wgmma_wait<0>();  // P V is done: O and P may change
             fence_regs(o);
             release_v(g + it - 1);
-            rescale(o, alpha);
+            rescale_if_moved(o, alpha);
             make_p(b, it, tile, row0);
         }
         trace(wg, j, LAST_PV);

@@ -155,6 +155,22 @@ def test_sm90_q_buffers_as_many_as_fit():
             assert sm90.smem_bytes(p.config, d, buffers + 1) + sm90.STATIC_SMEM_BYTES > H100.smem_per_block
 
 
+def test_sm90_lazy_rescale_where_measured_faster():
+    # Three consumer warpgroups at head dim 64 (the defaults there) move their softmax reference in
+    # 2^8 steps; two consumer warpgroups and head dim 128 measured slower with it and keep the exact max.
+    from attngen.families.fwd_sm90 import family as sm90
+
+    for d, label, mask, lazy in ((64, "m192n128s2opd", "causal", True), (64, "m192n128s2opr", "none", True),
+                                 (64, "m128n128s2opd", "causal", False), (128, "m128n128s2opr", "causal", False),
+                                 (128, "m128n160s2opr", "none", False), (96, "m192n128s2op", "none", False)):
+        config = sm90.Sm90Config.from_label(label).to_dict()
+        p = plan_spec(AttentionSpec(head_dim=d, mask=mask, family="fwd_sm90", config=config), H100)
+        assert p.lazy_rescale == lazy, (d, label)
+        assert f"constexpr bool LAZY_RESCALE = {'true' if lazy else 'false'};" in get_family("fwd_sm90").render(p)
+    for mask in ("none", "causal"):
+        assert plan_spec(AttentionSpec(head_dim=64, mask=mask, family="fwd_sm90"), H100).lazy_rescale
+
+
 def test_sm90_dynamic_schedule_launches(monkeypatch):
     """A dynamic schedule zeroes its counter (in the workspace, after any mask table) in a launch
     before the kernel's, sizes its grid to the SMs and its sections to the K/V that fit in L2."""
