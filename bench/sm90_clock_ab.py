@@ -39,7 +39,8 @@ def run(args) -> None:
             d, mask, batch, seqlen, heads, kv_heads, label = ab.DENSE[shape]
             label = config or label
             (q, k, v), *_ = ab.input_sets(batch, seqlen, heads, d, kv_heads=kv_heads)
-            calls = [("cudnn", lambda: cudnn(mask, heads, kv_heads, q, k, v))] if mask in ("none", "causal") else []
+            peer = ab.cudnn_call(mask, heads, kv_heads)
+            calls = [("cudnn", lambda: peer(q, k, v))] if mask in ("none", "causal") else []
             for build, text in builds:
                 calls.append((build, lambda text=text: (ab.use_header(text),
                                                         ab.runner(d, mask, heads, kv_heads, label)(q, k, v))))
@@ -53,15 +54,6 @@ def run(args) -> None:
                     torch.cuda.synchronize()
                     print(f"#call {name} {build} timed", flush=True)
         ab.use_header(None)
-
-
-def cudnn(mask, heads, kv_heads, q, k, v):
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=mask == "causal", enable_gqa=heads != kv_heads)
 
 
 def report(path: Path) -> None:
@@ -98,15 +90,37 @@ def report(path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--variant", action="append", default=[], type=lambda v: v.split("=", 1),
-                        metavar="NAME=FILE", help="a version of flash_fwd_sm90.cuh to time beside the tree's")
+    parser.add_argument("--variant", action="append", default=[], type=variant, metavar="NAME=FILE",
+                        help="a version of flash_fwd_sm90.cuh to time beside the tree's")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--report", type=Path, help="pair a finished run's output and ncu CSV")
     parser.add_argument("cases", nargs="*")
     args = parser.parse_args()
     if args.report:
         return report(args.report)
+    import sm90_ab_probe as ab
+
+    for case in args.cases:
+        shape, _, label = case.partition("@")
+        if shape not in ab.DENSE:
+            parser.error(f"case {case!r}: {shape!r} is not a case of bench/sm90_ab_probe.py DENSE; "
+                         f"allowed: {', '.join(ab.DENSE)} (optionally @LABEL)")
+        if label:
+            try:
+                ab.sm90.Sm90Config.from_label(label)
+            except ValueError as exc:
+                parser.error(f"case {case!r}: {exc}")
     run(args)
+
+
+def variant(text: str) -> tuple[str, str]:
+    """NAME=FILE, FILE an existing header."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or name in ("base", "cudnn"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=FILE with NAME other than base and cudnn")
+    if not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r}: {path!r} is not a file")
+    return name, path
 
 
 if __name__ == "__main__":
