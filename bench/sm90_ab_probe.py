@@ -75,6 +75,7 @@ DENSE = {
     "d64-causal-4k-pairs": (64, "causal", 4, 4096, 32, 32, "m192n128s2opr"),
     "d64-causal-4k-dyn": (64, "causal", 4, 4096, 32, 32, "m192n128s2opd"),
     "d64-none-2k": (64, "none", 8, 2048, 32, 32, None),
+    "d64-causal-3k": (64, "causal", 4, 3072, 32, 32, None),  # 16 blocks of 192 rows: no idle warpgroup
     "gqa-causal-8k": (128, "causal", 2, 8192, 32, 8, None),
     "window4096-16k": (128, f"sliding_window({WINDOW - 1}, 0)", 1, 16384, 16, 16, None),
 }

@@ -1179,9 +1179,15 @@ struct Consumer {
         }
         stored = 0;
     }
-    // The pending tile's last P V on its own (no next tile to issue it with), then its epilogue.
+    // The pending tile's last P V on its own (no next tile to issue it with), then its epilogue. The turn
+    // is taken even with nothing pending: every warpgroup calls flush at the same tiles, and their turn
+    // counts must stay equal (a warpgroup idle on a tile leaves nothing pending where the others do).
     __device__ __forceinline__ void flush() {
-        if (!pending) return;
+        if (!pending) {
+            turns.begin();
+            turns.end();
+            return;
+        }
         wait_v(done.last);
         turns.begin();
         issue_pv(o, pf, v_at(done.last));
@@ -1199,6 +1205,45 @@ struct Consumer {
         start_rows();
         finish(tile, qb, 0, j);
         store_output();
+        release_q();
+    }
+
+    // A tile none of whose rows are this warpgroup's (its 64 rows lie past the sequence's last: the last
+    // query block of a length that is not a multiple of BLOCK_M). No GEMMs, no softmax, no output: its
+    // GEMMs would take the tensor pipe from the warpgroups with rows (docs/perf-notes.md "Idle warpgroups").
+    // It keeps step with them: a turn per block as overlapped_tile takes (the first one issuing the
+    // pending tile's last P V, as first_block would with the tile's first S), and each K/V stage
+    // released once filled, so its arrival counts toward that block's phase.
+    __device__ __forceinline__ void idle_tile(const Blocks& b, int qb) {
+        const int n = b.count();
+        wait_k(g);
+        if (CARRY && pending) {  // straight-line paths: see first_block
+            turns.begin();
+            wait_v(done.last);
+            issue_pv(o, pf, v_at(done.last));
+            turns.end();
+            wgmma_wait<0>();
+            fence_regs(o);
+            release_v(done.last);
+            store_output();
+        } else {
+            turns.begin();
+            turns.end();
+        }
+        release_k(g);
+#pragma unroll 1
+        for (int it = 1; it < n; ++it) {
+            wait_k(g + it);
+            turns.begin();
+            turns.end();
+            release_k(g + it);
+            wait_v(g + it - 1);
+            release_v(g + it - 1);
+        }
+        wait_v(g + n - 1);
+        release_v(g + n - 1);
+        pending = false;
+        stored |= 1 << qb;  // nothing staged: the buffer goes back once earlier stores have read theirs
         release_q();
     }
 
@@ -1332,7 +1377,12 @@ struct Consumer {
             mbar_wait(smem_u32(&pipe.q_full[qb]), (j / Q_BUFFERS) & 1);
             trace(wg, j, Q_READY);
             if (b.count() == 0) empty_tile(tile, qb, j);
-            else if constexpr (OVERLAP) overlapped_tile(tile, b, qb, j);
+            else if constexpr (OVERLAP) {
+                // Through a shuffle: a condition ptxas sees as warp-uniform. Behind a branch it could not prove
+                // uniform, the tiles' loop lost its uniform registers (75 more instructions a block).
+                if (__shfl_sync(0xffffffffu, tile.m_block * BLOCK_M + wg * 64 >= seq_q(p, tile), 0)) idle_tile(b, qb);
+                else overlapped_tile(tile, b, qb, j);
+            }
             else serial_tile(tile, b, qb, j);
             trace(wg, j, KEY_BLOCKS, b.count());
             trace(wg, j, SM, smid());

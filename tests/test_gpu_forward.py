@@ -266,3 +266,23 @@ def test_tile_schedules(schedule, head_dim, mask, gqa, B, S, Hkv, pingpong, sect
     q, k, v = make_inputs(spec, B=B, Sq=S, Sk=S, Hkv=Hkv, seed=S + head_dim)
     for _ in range(2):
         run_and_check(spec, q, k, v)
+
+
+@pytest.mark.parametrize("schedule", ["grid", "pairs", "dynamic"])
+@pytest.mark.parametrize("head_dim,consumers", [(64, 3), (128, 2)])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_idle_warpgroups(schedule, head_dim, consumers, mask):
+    """fwd_sm90's consumer warpgroups whose 64 rows all lie past Sq skip the tile (no GEMMs) but keep
+    step with the others: tiles with one and two idle warpgroups, after and before busy tiles and each
+    other (one query block per head: every tile of the call), a pending tile's last P V carried into an
+    idle one, with Sk above and below Sq; two calls in a row."""
+    if this_target().cc != 90:
+        pytest.skip("fwd_sm90 runs on sm_90a only")
+    block_m = 64 * consumers
+    for Sq, Sk in [(1, 300), (64, 64), (65, 1000), (130, 130), (200, 77), (block_m + 64, 2 * block_m + 64),
+                   (3 * block_m + 1, 3 * block_m + 1)]:
+        spec = AttentionSpec(head_dim=head_dim, dtype="bf16", mask=mask, family="fwd_sm90",
+                             config={"consumers": consumers, "block_n": 128, "schedule": schedule})
+        q, k, v = make_inputs(spec, B=3, Sq=Sq, Sk=Sk, Hkv=5, seed=Sq + Sk)
+        for _ in range(2):
+            run_and_check(spec, q, k, v)
