@@ -1329,11 +1329,12 @@ struct Consumer {
     }
 
     // A tile none of whose rows are this warpgroup's (its 64 rows lie past the sequence's last: the last
-    // query block of a length that is not a multiple of BLOCK_M). No GEMMs, no softmax, no output: its
-    // GEMMs would take the tensor pipe from the warpgroups with rows (docs/perf-notes.md "Idle warpgroups").
-    // It keeps step with them: a turn per block as overlapped_tile takes (the first one issuing the
-    // pending tile's last P V, as first_block would with the tile's first S), and each K/V stage
-    // released once filled, so its arrival counts toward that block's phase.
+    // query block of a length that is not a multiple of BLOCK_M). No GEMMs of its own, no softmax, no
+    // output: its GEMMs would take the tensor pipe from the warpgroups with rows (docs/perf-notes.md "Idle
+    // warpgroups"). It keeps step with them: as many turns as overlapped_tile takes (the first one issuing
+    // the pending tile's last P V, as first_block would with the tile's first S; without CARRY one more,
+    // for the last P V flushed at the tile's end), and each K/V stage released once filled, so its
+    // arrival counts toward that block's phase.
     __device__ __forceinline__ void idle_tile(const Blocks& b, int qb) {
         const int n = b.count();
         wait_k(g);
@@ -1363,6 +1364,10 @@ struct Consumer {
         wait_v(g + n - 1);
         release_v(g + n - 1);
         pending = false;
+        if constexpr (!CARRY) {  // the turn of the last P V, which overlapped_tile flushes at once without CARRY
+            turns.begin();
+            turns.end();
+        }
         stored |= 1 << qb;  // nothing staged: the buffer goes back once earlier stores have read theirs
         release_q();
     }

@@ -286,3 +286,19 @@ def test_idle_warpgroups(schedule, head_dim, consumers, mask):
         q, k, v = make_inputs(spec, B=3, Sq=Sq, Sk=Sk, Hkv=5, seed=Sq + Sk)
         for _ in range(2):
             run_and_check(spec, q, k, v)
+
+
+@pytest.mark.parametrize("schedule", ["grid", "pairs", "dynamic"])
+@pytest.mark.parametrize("head_dim,block_n", [(256, 80), (128, 192)])
+def test_idle_warpgroups_with_one_q_buffer(schedule, head_dim, block_n):
+    """Without a second Q buffer (no room at these tiles) a busy warpgroup flushes each tile's last P V in
+    a turn of its own, and an idle one must take that turn too: with pingpong, a missing turn leaves the
+    last hand-over unmatched and the kernel hangs at exit."""
+    if this_target().cc != 90:
+        pytest.skip("fwd_sm90 runs on sm_90a only")
+    for Sq, Sk in [(65, 65), (1, 200), (128 + 40, 300)]:
+        spec = AttentionSpec(head_dim=head_dim, dtype="bf16", mask="causal", family="fwd_sm90",
+                             config={"block_n": block_n, "pingpong": True, "schedule": schedule})
+        q, k, v = make_inputs(spec, B=2, Sq=Sq, Sk=Sk, Hkv=3, seed=Sq)
+        for _ in range(2):
+            run_and_check(spec, q, k, v)
