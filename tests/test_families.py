@@ -4,6 +4,7 @@ holds the instructions it is written for. No GPU needed."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import math
 import pytest
 
@@ -214,6 +215,41 @@ def test_sm90_binary_is_built_of_wgmma_and_tma(tmp_path, d, mask):
     for instruction in ("HGMMA.64x", "UTMALDG.4D", "UTMASTG.4D", "USETMAXREG", "SYNCS.ARRIVE.TRANS64"):
         assert instruction in sass, f"{plan.name}: no {instruction} in its SASS"
     assert "LDL" not in sass and "STL" not in sass, "local memory traffic in the Hopper kernel"
+
+
+def _steady_loop(sass_text: str) -> list[str]:
+    """The instructions of the innermost loop holding both GEMMs' wgmmas (QK^T's and P V's shapes): the
+    overlapped loop of fwd_sm90, from a backward branch's target to the branch."""
+    code = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass_text)]
+    index = {address: i for i, (address, _) in enumerate(code)}
+    loops = []
+    for i, (address, text) in enumerate(code):
+        branch = re.search(r"BRA (?:!?U?P\w+, )?0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address and int(branch.group(1), 16) in index:
+            body = [t for _, t in code[index[int(branch.group(1), 16)]:i + 1]]
+            shapes = {m.group(1) for t in body for m in [re.search(r"HGMMA\.(64x\d+x16)", t)] if m}
+            if len(shapes) >= 2 or (len(shapes) == 1 and sum("HGMMA" in t for t in body) > 8):
+                loops.append(body)
+    return min(loops, key=len) if loops else []
+
+
+@pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
+@pytest.mark.parametrize("d, mask", [(64, "causal"), (128, "none"), (128, "causal")])
+def test_sm90_steady_loop_keeps_its_wgmma_descriptors_uniform(tmp_path, d, mask):
+    """The overlapped loop's wgmma descriptors stay in uniform registers. When ptxas cannot prove a branch
+    around the loop warp-uniform they are built in vector registers and moved over (R2UR) for every
+    wgmma: 770 -> 843 instructions a block at d128, 4-8% slower (docs/perf-notes.md "Idle warpgroups")."""
+    if CUOBJDUMP is None:
+        pytest.skip("cuobjdump not on PATH: the SASS is not checked here (CI installs it)")
+    plan = plan_spec(AttentionSpec(head_dim=d, mask=mask, family="fwd_sm90"), H100)
+    cubin = tmp_path / "k.cubin"
+    nvcc.check_plan(plan, keep_cubin=cubin)
+    loop = _steady_loop(nvcc.sass(cubin))
+    wgmmas = sum("HGMMA" in t for t in loop)
+    moves = sum(re.search(r"(^|\s)R2UR\s", t) is not None for t in loop)
+    assert wgmmas >= d // 16, f"{plan.name}: no steady loop with both GEMMs found"
+    # Kept uniform: 8-16 R2UR for 12-18 wgmmas (d64, d128); moved over: 32-52, about three a wgmma.
+    assert moves <= wgmmas * 3 // 2, f"{plan.name}: {moves} R2UR for {wgmmas} wgmmas in the steady loop"
 
 
 @pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
