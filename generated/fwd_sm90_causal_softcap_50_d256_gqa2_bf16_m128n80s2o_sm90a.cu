@@ -519,7 +519,8 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[128], const u32 (&a)[4], u64
 // Warpgroups 1..CONSUMERS each own 64 query rows: S = Q K^T on wgmma (both operands in shared
 // memory), the online softmax in registers, O += P V on wgmma with P straight from registers.
 // OVERLAP issues S of block j+1 together with the P V of block j, in one turn; PINGPONG makes the
-// consumer warpgroups take turns issuing GEMMs, so one's softmax runs under the other's. Key blocks
+// consumer warpgroups take turns issuing GEMMs, so one's softmax runs under the other's. A warpgroup
+// whose rows all lie past the sequence's last skips the tile, keeping step (idle_tile). Key blocks
 // the mask makes empty are never loaded; blocks it makes full are never masked per element.
 // Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
 // CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PAIRS, DYNAMIC, VARLEN, LAZY_RESCALE,
