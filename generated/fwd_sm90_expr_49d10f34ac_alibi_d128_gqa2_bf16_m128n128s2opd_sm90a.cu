@@ -1187,6 +1187,11 @@ struct Turns {
     __device__ __forceinline__ void end() const {
         if constexpr (PINGPONG) named_arrive(PINGPONG_BARRIER + (wg + 1) % CONSUMERS, 2 * WG_THREADS);
     }
+    // A turn with nothing to issue, taken so every warpgroup's turn count stays the same.
+    __device__ __forceinline__ void pass() const {
+        begin();
+        end();
+    }
 };
 
 // VARLEN: this warpgroup's staged output rows (first: the first one's position in its sequence)
@@ -1365,8 +1370,7 @@ struct Consumer {
     // counts must stay equal (a warpgroup idle on a tile leaves nothing pending where the others do).
     __device__ __forceinline__ void flush() {
         if (!pending) {
-            turns.begin();
-            turns.end();
+            turns.pass();
             return;
         }
         wait_v(done.last);
@@ -1409,15 +1413,13 @@ struct Consumer {
             release_v(done.last);
             store_output();
         } else {
-            turns.begin();
-            turns.end();
+            turns.pass();
         }
         release_k(g);
 #pragma unroll 1
         for (int it = 1; it < n; ++it) {
             wait_k(g + it);
-            turns.begin();
-            turns.end();
+            turns.pass();
             release_k(g + it);
             wait_v(g + it - 1);
             release_v(g + it - 1);
@@ -1425,10 +1427,7 @@ struct Consumer {
         wait_v(g + n - 1);
         release_v(g + n - 1);
         pending = false;
-        if constexpr (!CARRY) {  // the turn of the last P V, which overlapped_tile flushes at once without CARRY
-            turns.begin();
-            turns.end();
-        }
+        if constexpr (!CARRY) turns.pass();  // the turn of the last P V, which overlapped_tile flushes at once
         stored |= 1 << qb;  // nothing staged: the buffer goes back once earlier stores have read theirs
         release_q();
     }

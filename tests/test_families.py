@@ -4,8 +4,9 @@ holds the instructions it is written for. No GPU needed."""
 from __future__ import annotations
 
 import dataclasses
-import re
 import math
+import re
+
 import pytest
 
 from attngen import targets
