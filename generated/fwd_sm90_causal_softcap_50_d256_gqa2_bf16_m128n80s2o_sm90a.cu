@@ -1223,18 +1223,7 @@ struct Consumer {
     __device__ __forceinline__ void idle_tile(const Blocks& b, int qb) {
         const int n = b.count();
         wait_k(g);
-        if (CARRY && pending) {  // straight-line paths: see first_block
-            turns.begin();
-            wait_v(done.last);
-            issue_pv(o, pf, v_at(done.last));
-            turns.end();
-            wgmma_wait<0>();
-            fence_regs(o);
-            release_v(done.last);
-            store_output();
-        } else {
-            turns.pass();
-        }
+        flush();  // the first turn: the pending tile's last P V and its epilogue, or nothing (without CARRY)
         release_k(g);
 #pragma unroll 1
         for (int it = 1; it < n; ++it) {
