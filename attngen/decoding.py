@@ -122,7 +122,8 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, *, page_table=None,
     contiguous); cache_seqlens itself is left for the caller to advance (`cache_seqlens += n`).
     torch tensors only. `check` (default) first verifies on the host that every position fits the
     sequence's capacity and every page id touched is valid, which synchronises: pass check=False
-    inside a CUDA graph capture once the lengths are known to fit."""
+    inside a CUDA graph capture once the lengths are known to fit (a write that does not fit is then
+    refused by the indexing kernel, a device-side assert, never redirected onto another token)."""
     import torch
 
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new),
@@ -148,18 +149,24 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, *, page_table=None,
             raise ValueError(f"{name} is {t.dtype} on {t.device}; allowed: the cache's {want.dtype} on {want.device}")
     n = k_new.shape[1]
     positions = cache_seqlens.long()[:, None] + torch.arange(n, device=k_new.device)  # (batch, n)
+    # A write that does not fit (a position outside the sequence's capacity, a page id outside the
+    # cache) gets an index past the cache's end, never a wrapped or clamped one: with check=False the
+    # indexing kernel refuses it (a device-side assert on the GPU, an IndexError on the CPU) instead of
+    # overwriting another token, perhaps of another sequence through a shared page.
     if page_table is None:
         capacity = k_cache.shape[1]
+        fits = (positions >= 0) & (positions < capacity)
         rows = torch.arange(k_new.shape[0], device=k_new.device)[:, None].expand_as(positions)
-        index = (rows, positions)
+        index = (rows, torch.where(fits, positions, capacity))
     else:
-        capacity = page_table.shape[1] * k_cache.shape[1]
-        pages = torch.gather(page_table.long(), 1, (positions // k_cache.shape[1]).clamp(max=page_table.shape[1] - 1))
-        index = (pages, positions % k_cache.shape[1])
+        page_size, num_pages = k_cache.shape[1], k_cache.shape[0]
+        capacity = page_table.shape[1] * page_size
+        fits = (positions >= 0) & (positions < capacity)
+        pages = torch.gather(page_table.long(), 1, torch.where(fits, positions // page_size, 0))
+        fits &= (pages >= 0) & (pages < num_pages)
+        index = (torch.where(fits, pages, num_pages), positions % page_size)
     if check:
-        bad = (positions < 0) | (positions >= capacity)
-        if page_table is not None:
-            bad |= (index[0] < 0) | (index[0] >= k_cache.shape[0])
+        bad = ~fits
         if bool(bad.any()):
             b = int(bad.any(dim=1).nonzero()[0, 0])
             raise ValueError(f"append_kv: sequence {b} has cache_seqlens {int(cache_seqlens[b])} and {n} new tokens, "

@@ -232,3 +232,37 @@ def test_append_kv_writes_where_the_cache_is_read(paged):
         append_kv(k, v, k_new[:, :, :1], v_new, lens, page_table=table)
     with pytest.raises(ValueError, match="v_cache is a list"):
         append_kv(k, [], k_new, v_new, lens, page_table=table)
+
+
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("lens, bad_page", [([0, 63], False), ([-2, 10], False), ([5, 10], True)])
+def test_append_kv_unchecked_refuses_a_write_that_does_not_fit(paged, lens, bad_page):
+    """check=False (inside a CUDA graph capture) still never lands a write elsewhere: a position past
+    the capacity, a negative one or a bad page id becomes an index past the cache, which the indexing
+    kernel refuses (an IndexError here; a device-side assert on the GPU), and no token is overwritten.
+    The first version clamped the page and wrapped negative indices, so position 64 of a 64-token
+    capacity overwrote slot 0 of the sequence's last page."""
+    if bad_page and not paged:
+        pytest.skip("page ids exist only in a paged cache")
+    B, Hkv, D, page_size = 2, 2, 64, 16
+    if paged:
+        k, v, table = _paged(B, 4, page_size, Hkv, D, seed=2)
+        if bad_page:
+            table[0, 0] = -1  # a negative id: Python indexing would wrap it to the last page
+    else:
+        k, v, table = torch.randn(B, 64, Hkv, D), torch.randn(B, 64, Hkv, D), None
+    before = k.clone(), v.clone()
+    k_new, v_new = torch.randn(B, 3, Hkv, D), torch.randn(B, 3, Hkv, D)
+    with pytest.raises(IndexError):
+        append_kv(k, v, k_new, v_new, torch.tensor(lens, dtype=torch.int32), page_table=table, check=False)
+    # The writes that fit may have landed; nothing else changed.
+    targets = torch.zeros(k.shape[:2], dtype=torch.bool)
+    for b in range(B):
+        for pos in range(lens[b], lens[b] + 3):
+            if paged and 0 <= pos < table.shape[1] * page_size and table[b, pos // page_size] >= 0:
+                targets[table[b, pos // page_size], pos % page_size] = True
+            elif not paged and 0 <= pos < k.shape[1]:
+                targets[b, pos] = True
+    assert torch.equal(k[~targets], before[0][~targets]) and torch.equal(v[~targets], before[1][~targets])
+    with pytest.raises(ValueError, match="append_kv: sequence"):
+        append_kv(k, v, k_new, v_new, torch.tensor(lens, dtype=torch.int32), page_table=table)
