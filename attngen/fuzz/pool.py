@@ -56,9 +56,11 @@ PROBLEMS = (
     Problem(64, "bf16", mask="kv_idx < prefix[b] or causal"),  # prefix lengths per sequence
     Problem(128, "bf16", gqa_ratio=5, mask="chunked(8192) and causal"),  # Llama 4's local layers
     Problem(128, "fp16", gqa_ratio=2, mask="(q_idx + 2 * kv_idx) % 7 != 3 or h == 1 or b == 2"),
-    # Score modifiers: Gemma 2's softcap under causal; an ALiBi-like distance penalty in a window.
+    # Score modifiers: Gemma 2's softcap under causal (its global layers) and in a 4096-key window
+    # (its local ones); an ALiBi-like distance penalty in a window.
     Problem(64, "bf16", mask="causal", score_mod="softcap(20.0)"),
     Problem(256, "bf16", gqa_ratio=2, mask="causal", score_mod="softcap(50.0)"),
+    Problem(256, "bf16", gqa_ratio=2, mask="sliding_window(4095, 0)", score_mod="softcap(50.0)"),
     Problem(128, "fp16", gqa_ratio=2, mask="sliding_window(96, 32)", score_mod="score - 0.125 * abs(q_idx - kv_idx)"),
     # Runtime inputs: packed documents under causal, with ALiBi slopes per head.
     Problem(128, "bf16", gqa_ratio=2, mask="doc[b, q_idx] == doc[b, kv_idx] and causal", score_mod="alibi"),
