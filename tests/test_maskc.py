@@ -15,7 +15,7 @@ import tokenize
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from attngen.maskc import (
@@ -283,6 +283,36 @@ def test_refused_constructs_name_the_piece_and_column(text, piece, column, what)
     assert message.startswith(f"mask: {piece!r} at column {column} is not allowed: "), message
     assert what in message and "; allowed: " in message
     assert (err.piece, err.column, err.kind) == (piece, column, "mask")
+
+
+# Pieces of hostile text: the expression language's own words and operators, Python that the
+# whitelist must refuse (lambdas, imports, attribute access, comprehensions, starred and keyword
+# arguments), quotes and escapes, huge literals, control and non-ASCII characters.
+HOSTILE_PIECES = list("qkv_idxbhscore()[]{}<>=!+-*/%&|~^@ ,.:;'\"\\0123456789eEjx\n\t#") + [
+    "and", "or", "not", " if ", " else ", " for ", " in ", "lambda ", "__import__('os')", ".__class__",
+    "causal", "tanh(", "where(", "softcap(", "sliding_window(", "doc[", "1e308", "1e-400", "**", "\x00",
+    "\u00e9", "\u202e", "9" * 400, "(" * 40, ")" * 40, "await ", "yield ", ":=", "...", "print(", "exec(",
+]
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
+@given(text=st.one_of(st.text(max_size=80), st.lists(st.sampled_from(HOSTILE_PIECES), max_size=40).map("".join)))
+@example(text="q_idx is 1")  # Python warns about these while parsing them (SyntaxWarning; invalid escapes:
+@example(text="1(2) > q_idx")  # DeprecationWarning on 3.11, SyntaxWarning on 3.12)
+@example(text="'\\d' == q_idx")
+def test_hostile_text_is_accepted_or_refused_with_an_expr_error(text):
+    """Whatever the text, compiling it as a mask or a score modifier either succeeds or raises
+    ExprError (a ValueError naming the piece): no other exception, and no warning from parsing it."""
+    import warnings
+
+    for compile_text in (compile_mask, compile_score_mod):
+        with warnings.catch_warnings(record=True) as caught:  # ("error" would turn them into SyntaxErrors)
+            warnings.simplefilter("always")
+            try:
+                compile_text(text)
+            except ExprError as err:
+                assert isinstance(err, ValueError) and err.kind in ("mask", "score_mod") and str(err)
+        assert not caught, [str(w.message) for w in caught]
 
 
 ERRORS = [

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import math
 import re
+import warnings
 from dataclasses import dataclass
 
 from attngen.maskc import ir
@@ -166,7 +167,9 @@ class _Parser:
         if not self.source.strip():
             raise ExprError(self.kind, text, 1, "the expression is empty")
         try:
-            tree = ast.parse(self.source, mode="eval")
+            with warnings.catch_warnings():  # a user's text, not ours: "invalid escape sequence" and the like
+                warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
+                tree = ast.parse(self.source, mode="eval")
         except SyntaxError as exc:
             raise self._syntax_error(exc) from None
         except (ValueError, MemoryError, RecursionError) as exc:  # null bytes; the parser's own limits
@@ -175,7 +178,9 @@ class _Parser:
 
     def _syntax_error(self, exc: SyntaxError) -> ExprError:
         try:  # `x = 1` is a statement, not an expression: say so rather than "invalid syntax"
-            statements = ast.parse(self.source, mode="exec").body
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
+                statements = ast.parse(self.source, mode="exec").body
         except (SyntaxError, ValueError, MemoryError, RecursionError):
             statements = []
         if len(statements) == 1 and isinstance(statements[0], (ast.Assign, ast.AugAssign, ast.AnnAssign)):
