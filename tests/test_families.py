@@ -201,10 +201,15 @@ def test_sm90_dynamic_schedule_launches(monkeypatch):
 CUOBJDUMP = nvcc.find_cuobjdump()
 
 
+# Every default config of tile_defaults.yaml's none and causal rows (and causal under GQA, which has
+# its own): 0 spills, no serialised wgmma, and the Hopper instructions.
+SM90_DEFAULTS = [(d, mask, 1) for d in (64, 96, 128, 256) for mask in ("none", "causal")] + [(128, "causal", 4)]
+
+
 @pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
-@pytest.mark.parametrize("d, mask", [(64, "none"), (128, "causal"), (256, "causal")])
-def test_sm90_binary_is_built_of_wgmma_and_tma(tmp_path, d, mask):
-    plan = plan_spec(AttentionSpec(head_dim=d, mask=mask, family="fwd_sm90"), H100)
+@pytest.mark.parametrize("d, mask, gqa", SM90_DEFAULTS)
+def test_sm90_binary_is_built_of_wgmma_and_tma(tmp_path, d, mask, gqa):
+    plan = plan_spec(AttentionSpec(head_dim=d, mask=mask, gqa_ratio=gqa, family="fwd_sm90"), H100)
     cubin = tmp_path / "k.cubin"
     report = nvcc.check_plan(plan, keep_cubin=cubin)
     assert report.spill_bytes == 0 and report.stack_frame_bytes == 0, report.log
