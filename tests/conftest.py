@@ -81,7 +81,7 @@ echo "args: $*"
 echo "caching off: $PYTORCH_NO_CUDA_MEMORY_CACHING"
 echo "launched kernel ${FAKE_LAUNCHED:-${4#kns=}}"
 sleep "${FAKE_SLEEP:-0}"
-if [ "$2" = memcheck ]; then echo "========= ERROR SUMMARY: ${FAKE_ERRORS:-0} errors"; fi
+if [ "$2" = memcheck ] || [ "$2" = synccheck ]; then echo "========= ERROR SUMMARY: ${FAKE_ERRORS:-0} errors"; fi
 if [ "$2" = racecheck ]; then echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"; fi
 exit "${FAKE_EXIT:-0}"
 """

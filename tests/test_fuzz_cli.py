@@ -136,7 +136,7 @@ def test_sanitize_replays_one_case_per_kernel(runners, spec_file, tmp_path, monk
     assert "note: --sanitize-sample 20, but only 1 kernels" in result.output
     (sample,) = (tmp_path / "out" / "sanitize").iterdir()
     assert sample.name.startswith(KERNEL)
-    assert f"sanitizer: {2 if errors == 0 else 1}/2 runs clean over 1 kernels" in result.output
+    assert f"sanitizer: {3 if errors == 0 else 1}/3 runs clean over 1 kernels" in result.output  # memcheck and synccheck see the errors
     if errors:
         assert "memcheck finding for" in result.output and "rerun with:" in result.output
 
@@ -213,7 +213,7 @@ def test_replay_sanitize_instruments_the_kernel_this_gpu_runs_and_passes_the_fau
     assert "recorded for kernel fwd_compiled_on_another_gpu; this GPU runs " + faulty in result.output
     assert f"launched kernel {faulty}" in result.output  # what a replay under the sanitizer prints
     calls = fake_sanitizer.calls.read_text().splitlines()
-    assert len(calls) == 2 and all(f"kns={faulty} " in c and c.endswith(f"--replay {path} --fault {FAULT}")
+    assert len(calls) == 3 and all(f"kns={faulty} " in c and c.endswith(f"--replay {path} --fault {FAULT}")
                                    for c in calls)
 
 
@@ -226,7 +226,7 @@ def test_sanitize_that_instruments_nothing_is_not_clean(runners, spec_file, tmp_
     assert f"{KERNEL} never launched, so nothing was instrumented (the replay launched fwd_some_other_kernel)" \
         in result.output
     assert "memcheck harness error (the kernel was not checked)" in result.output
-    assert "sanitizer: 0/2 runs clean over 1 kernels" in result.output
+    assert "sanitizer: 0/3 runs clean over 1 kernels" in result.output
 
 
 def test_sanitize_runs_whose_replay_cannot_run_are_harness_errors(runners, spec_file, tmp_path, fake_sanitizer,

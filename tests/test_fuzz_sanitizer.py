@@ -98,7 +98,7 @@ def test_command_instruments_only_the_kernel_and_replays_the_case():
     command = sanitizer_command("/cuda/bin/compute-sanitizer", "racecheck", "fwd_none_d64", Path("out/s/x"), "py")
     assert command == ["/cuda/bin/compute-sanitizer", "--tool", "racecheck", "--kernel-name", "kns=fwd_none_d64",
                        "--report-api-errors", "no", "py", "-m", "attngen.cli", "fuzz", "--replay", "out/s/x"]
-    with pytest.raises(ValueError, match="tool='initcheck' is invalid; allowed: memcheck, racecheck"):
+    with pytest.raises(ValueError, match="tool='initcheck' is invalid; allowed: memcheck, racecheck, synccheck"):
         sanitizer_command("cs", "initcheck", "k", Path("d"))
     # An outer --fault reaches the replay (it would otherwise run the reproducer's recorded fault).
     command = sanitizer_command("cs", "memcheck", "fwd_x_fault_f", Path("d"), "py", fault="f")
@@ -149,8 +149,8 @@ def test_compute_sanitizer_is_found_on_path(fake_sanitizer):
 def test_sanitize_runs_every_tool_per_sample_in_its_own_process(fake_sanitizer, tmp_path):
     seen = []
     results = sanitize([("fwd_a", tmp_path / "a"), ("fwd_b", tmp_path / "b")], on_result=seen.append)
-    assert [(r.kernel, r.tool) for r in results] == [("fwd_a", "memcheck"), ("fwd_a", "racecheck"),
-                                                     ("fwd_b", "memcheck"), ("fwd_b", "racecheck")]
+    assert [(r.kernel, r.tool) for r in results] == [(k, tool) for k in ("fwd_a", "fwd_b")
+                                                     for tool in ("memcheck", "racecheck", "synccheck")]
     assert seen == results and all(r.clean for r in results)
     assert f"--kernel-name kns=fwd_b --report-api-errors no {sys.executable} -m attngen.cli fuzz --replay" in \
         results[-1].output_tail
@@ -160,11 +160,11 @@ def test_sanitize_runs_every_tool_per_sample_in_its_own_process(fake_sanitizer, 
 def test_sanitize_reports_errors_failing_replays_and_timeouts(fake_sanitizer, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_ERRORS", "4")
     monkeypatch.setenv("FAKE_EXIT", "1")
-    memcheck, racecheck = sanitize([("fwd_a", tmp_path)])
-    assert memcheck.finding == "4 errors, the replay exited with status 1"
+    memcheck, racecheck, synccheck = sanitize([("fwd_a", tmp_path)])
+    assert memcheck.finding == synccheck.finding == "4 errors, the replay exited with status 1"
     assert racecheck.finding == "the replay exited with status 1"
     monkeypatch.setenv("FAKE_EXIT", "2")
-    memcheck, racecheck = sanitize([("fwd_a", tmp_path)])
+    memcheck, racecheck, _ = sanitize([("fwd_a", tmp_path)])
     assert memcheck.kernel_finding and "4 errors" in memcheck.finding  # what the sanitizer saw still counts
     assert racecheck.finding.startswith("the replay could not run (exit status 2") and not racecheck.kernel_finding
     monkeypatch.delenv("FAKE_ERRORS")

@@ -114,7 +114,7 @@ def test_sanitizer_is_clean_on_two_kernels(gpu_family, tmp_path):
                                                  machine=runner.machine)))
     assert samples[1][0].startswith(f"{gpu_family}_causal_")
     results = sanitize(samples, timeout=600)
-    assert len(results) == 4
+    assert len(results) == 6  # two kernels x memcheck, racecheck, synccheck
     for r in results:
         assert r.clean, f"{r.tool} {r.kernel}: {r.finding}\n{r.report.excerpt or r.output_tail}"
 

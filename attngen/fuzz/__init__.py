@@ -11,7 +11,7 @@ One job per module:
                  (a kernel failure kind, or a harness error)
   search.py      the hypothesis-driven search: examples, seed, time budget, shrinking, per-kernel stats
   reproducer.py  write a failing case to disk (spec YAML + case JSON); load and replay it
-  sanitizer.py   compute-sanitizer (memcheck, racecheck) over a sample of cases, one process each
+  sanitizer.py   compute-sanitizer (memcheck, racecheck, synccheck) over a sample of cases, one process each
   report.py      progress (attngen.progress) and summary tables (rich when installed, plain text otherwise)
   command.py     the `attngen fuzz` command
 The paged decode regime (`attngen fuzz --decode`, attngen.decode against KV caches):

@@ -90,7 +90,7 @@ def _status(*statuses: int) -> int:
               help="Re-run a reproducer directory (with spec.yaml and case.json) instead of fuzzing; exits 1 if it "
                    "still fails. Repeatable.")
 @click.option("--sanitize", is_flag=True,
-              help="Afterwards, replay one passing case per kernel under compute-sanitizer memcheck and racecheck "
+              help="Afterwards, replay one passing case per kernel under compute-sanitizer memcheck, racecheck and synccheck "
                    "(with --replay: the reproducers).")
 @click.option("--sanitize-sample", type=click.IntRange(min=1), default=DEFAULT_SANITIZE_SAMPLE, show_default=True,
               help="How many kernels --sanitize covers.")

@@ -1,5 +1,6 @@
-"""compute-sanitizer over a sample of cases: memcheck (out-of-bounds and misaligned accesses)
-and racecheck (shared-memory hazards).
+"""compute-sanitizer over a sample of cases: memcheck (out-of-bounds and misaligned accesses),
+racecheck (shared-memory hazards) and synccheck (barriers used where not every thread arrives,
+and the like).
 
 Each (case, tool) pair runs in its own process,
   compute-sanitizer --tool T --kernel-name kns=<kernel> python -m attngen.cli fuzz --replay DIR [--fault F]
@@ -40,7 +41,7 @@ from attngen.families import plan_spec
 from attngen.fuzz.case import FuzzCase
 from attngen.targets import Target
 
-TOOLS = ("memcheck", "racecheck")
+TOOLS = ("memcheck", "racecheck", "synccheck")
 TIMEOUT_S = 900
 # Instrumented kernels run 10-1000x slower: the sample prefers cases below this many scores.
 SANITIZE_MAX_SCORES = 2**21
@@ -97,8 +98,8 @@ class SanitizerReport:
 
 
 def parse_report(text: str) -> SanitizerReport:
-    """Read memcheck's `ERROR SUMMARY: N errors` and racecheck's `RACECHECK SUMMARY: N hazards
-    displayed (E errors, W warnings)` out of the sanitizer's output, and the replay's LAUNCHED_LINEs."""
+    """Read memcheck's and synccheck's `ERROR SUMMARY: N errors` and racecheck's `RACECHECK SUMMARY: N
+    hazards displayed (E errors, W warnings)` out of the sanitizer's output, and the replay's LAUNCHED_LINEs."""
     errors = [int(m.group(1)) for m in _ERROR_SUMMARY.finditer(text)]
     races = [(int(m.group(2)), int(m.group(3))) for m in _RACECHECK_SUMMARY.finditer(text)]
     findings = [line for line in text.splitlines() if line.startswith("=") and not _QUIET_LINES.match(line)]
