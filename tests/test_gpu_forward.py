@@ -223,6 +223,37 @@ def test_an_unpinned_spec_runs_the_preferred_family_that_supports_this_gpu():
     assert kernel.plan.family == families.supporting(spec.problem, target)[0].name
 
 
+def test_a_layout_tma_cannot_describe_falls_back_to_another_family_never_to_a_wrong_answer(monkeypatch):
+    """Where fwd_sm90's tensor maps cannot describe an input (attngen/families/tma.py describable), an
+    unpinned call runs the next family that supports the problem and accepts the call (fwd_sm80),
+    and a call pinned to fwd_sm90 raises, naming why. The checks every family shares already refuse
+    strides TMA could not take, so the refusal is forced here."""
+    import torch
+
+    from attngen.families import tma
+    from attngen.runtime import dispatch
+
+    if families.supporting(AttentionSpec(head_dim=128).problem, this_target())[0].name != "fwd_sm90":
+        pytest.skip("fwd_sm90 is not this GPU's first family")
+    monkeypatch.setattr(tma, "describable", lambda shape, strides, itemsize: f"forced for {shape}")
+    dispatch.forget()
+    try:
+        spec = AttentionSpec(head_dim=128, dtype="bf16", mask="causal", gqa_ratio=2, softmax_scale=0.0456)
+        q, k, v = make_inputs(spec, B=2, Sq=333, Sk=333, Hkv=2)
+        out, lse = attngen.attention(q, k, v, spec, return_lse=True)
+        assert dispatch.prepare(q, k, v, spec).kernel.plan.family == "fwd_sm80"
+        ref, ref_lse = reference.attention_for_spec(q, k, v, spec, softmax_scale=spec.effective_scale, return_lse=True)
+        torch.cuda.synchronize()
+        bad = tolerance.check_output(out, ref, q, k, v, spec.dtype, spec.effective_scale) \
+            or tolerance.check_lse(lse, ref_lse, q, k, spec.effective_scale)
+        assert bad is None, bad
+        pinned_spec = dataclasses.replace(spec, family="fwd_sm90")
+        with pytest.raises(ValueError, match=r"family fwd_sm90 cannot run these tensors: TMA cannot describe q: forced"):
+            attngen.attention(q, k, v, pinned_spec)
+    finally:
+        dispatch.forget()
+
+
 def test_a_family_pinned_on_a_gpu_it_does_not_support_raises_a_spec_error_naming_it(gpu_family, monkeypatch):
     # This GPU as a GPU of another architecture that the family does not run on (sm_75: none does).
     real = this_target()
