@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 import random
+import re
 import tokenize
 
 import pytest
@@ -27,6 +28,7 @@ from attngen.maskc import (
     cuda_preamble,
 )
 from attngen.maskc.ir import Type
+from attngen.maskc.program import stored_text
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -402,6 +404,23 @@ def test_builtin_masks_expand_to_their_definition(text):
     assert (program.canonical, program.slug, program.inputs) == (canonical, slug, ())
     assert compile_mask(f" ( {text} ) ").slug == slug  # parentheses and blanks do not change the program
     assert compile_mask(canonical).canonical == canonical and compile_mask(canonical).slug.startswith("expr_")
+
+
+def test_prefix_lm_takes_a_length_per_sequence_from_a_runtime_input():
+    """prefix_lm(prefix[b]) is the expression its template makes (one program, one kernel with the
+    spelled-out form); only an integer expression is accepted, and the other built-ins stay constant."""
+    program = compile_mask("prefix_lm(prefix[b])")
+    assert program == compile_mask("kv_idx < prefix[b] or causal")
+    assert program.canonical == "kv_idx < prefix[b] or kv_idx <= q_idx + (kv_len - q_len)"
+    assert program.inputs == (("prefix", 1),) and program.slug.startswith("expr_")
+    assert stored_text("prefix_lm(prefix[b])", "mask") == program.canonical
+    assert compile_mask("prefix_lm(p[b, h] + 2)").inputs == (("p", 2),)
+    for text, piece, problem in [("prefix_lm(q_idx > 3)", "q_idx > 3", "an integer constant or an integer expression; got bool"),
+                                 ("prefix_lm(-1)", "-1", "must be >= 0; got -1"),
+                                 ("sliding_window(w[b], 0)", "w[b]", "must be an integer constant")]:
+        with pytest.raises(ExprError, match=re.escape(problem)) as info:
+            compile_mask(text)
+        assert info.value.piece == piece
 
 
 def test_builtin_score_mods():

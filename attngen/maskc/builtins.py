@@ -22,6 +22,9 @@ class Param:
     type: Type  # INT or FLOAT; an int literal is accepted for a FLOAT parameter
     minimum: int | float
     minimum_allowed: bool = True  # False: the value must be strictly greater than minimum
+    # True: an integer expression is accepted too (prefix_lm(prefix[b]): a length per sequence, read
+    # from a runtime input); the call then compiles as the expression its template makes.
+    runtime: bool = False
 
     def problem(self, value) -> str | None:
         """Why value is out of range, or None when it is fine."""
@@ -54,8 +57,9 @@ MASK_BUILTINS = {b.name: b for b in (
     Builtin("chunked", "mask", (Param("size", Type.INT, 1),),
             "(q_idx + kv_len - q_len) // size == kv_idx // size",
             "keys in the same aligned chunk of `size` positions as the query"),
-    Builtin("prefix_lm", "mask", (Param("n", Type.INT, 0),), "kv_idx < n or causal",
-            "the first n keys are visible to every query; causal after them"),
+    Builtin("prefix_lm", "mask", (Param("n", Type.INT, 0, runtime=True),), "kv_idx < n or causal",
+            "the first n keys are visible to every query; causal after them (n a constant, or an integer "
+            "expression such as prefix[b], a runtime input with a length per sequence)"),
 )}
 
 SCORE_MOD_BUILTINS = {b.name: b for b in (

@@ -342,10 +342,17 @@ class _Parser:
             count = len(builtin.params)
             raise self.error(node, f"{name} takes {count} parameter{'' if count == 1 else 's'}"
                                    f"{f' (write {builtin.signature})' if count else ''}; got {len(arg_asts)}")
-        bindings, values = {}, []
+        bindings, values, constant = {}, [], True
         for param, arg_ast in zip(builtin.params, arg_asts):
             value = self.expr(arg_ast, depth)
             wants_int = param.type is Type.INT
+            if param.runtime and not isinstance(value, Const):
+                if value.type is not param.type:
+                    raise self.error(arg_ast, f"parameter {param.name} of {builtin.signature} must be an integer "
+                                              f"constant or an integer expression; got {value.type.value}")
+                bindings[param.name] = value  # e.g. prefix[b]: the call is the expression its template makes
+                constant = False
+                continue
             if not isinstance(value, Const) or value.type is Type.BOOL or (wants_int and value.type is Type.FLOAT):
                 what = "an integer" if wants_int else "a number"
                 raise self.error(arg_ast, f"parameter {param.name} of {builtin.signature} must be {what} constant")
@@ -358,7 +365,8 @@ class _Parser:
         # The template is parsed like user text; its own built-in calls are not recorded here.
         template = _Parser(builtin.template, builtin.kind, self.program_kind, bindings, self.inputs)
         _, node_ir = template.parse()
-        self.builtin_calls[id(node)] = (name, tuple(values))
+        if constant:  # a built-in with a runtime argument has no closed form: it is named by its expression
+            self.builtin_calls[id(node)] = (name, tuple(values))
         return node_ir
 
 
