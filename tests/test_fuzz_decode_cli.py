@@ -221,8 +221,8 @@ def test_sanitize_replays_one_decode_case_per_kernel(decode_runner, spec_file, t
     # The paged sample has a partial last page and several splits (so the combine kernel runs too).
     assert any(n % paged["page_size"] for n in paged["lengths"]) and paged["num_splits"] > 1
     calls = fake_sanitizer.calls.read_text().splitlines()
-    assert len(calls) == 4 and {c.split("kns=")[1].split()[0] for c in calls} == {PAGED, CONTIGUOUS}
-    assert "sanitizer: 4/4 runs clean over 2 kernels" in result.output
+    assert len(calls) == 6 and {c.split("kns=")[1].split()[0] for c in calls} == {PAGED, CONTIGUOUS}
+    assert "sanitizer: 6/6 runs clean over 2 kernels" in result.output
 
     # What each sanitizer process runs: the replay, which names the decode plans it launched.
     decode_runner["runner"] = Launches

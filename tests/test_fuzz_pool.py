@@ -141,6 +141,42 @@ def test_random_spec_pool_is_a_function_of_the_seed():
     assert any(spec.mask == "causal" for spec in pool) and any(spec.softmax_scale for spec in pool)
 
 
+def test_random_specs_carry_random_expression_trees_to_the_kernels():
+    """--random-specs draws masks and score modifiers from the whole expression grammar too
+    (attngen/fuzz/expressions.py, without runtime inputs), so random trees reach the GPU kernels
+    and not only the compiler's CPU tests; every one compiles and the reference evaluates it."""
+    import torch
+
+    from attngen import reference
+    from attngen.fuzz.pool import random_mask, random_score_mod
+    from attngen.maskc import compile_mask, compile_score_mod
+
+    rng = random.Random(5)
+    masks = [random_mask(rng) for _ in range(400)]
+    trees = [m for m in masks if any(f in m for f in ("where(", "min(", "max(", "abs(", "not "))]
+    assert len(trees) >= 10
+    mods = [random_score_mod(rng) for _ in range(100)]
+    tree_mods = [m for m in mods if m.startswith("score + 0.5 * tanh(")]
+    assert len(tree_mods) >= 10
+    assert all(not compile_mask(m).inputs for m in trees) and all(not compile_score_mod(m).inputs for m in tree_mods)
+    pool = random_spec_pool(3, 200, targets.target("sm_90"))
+    with_trees = [s for s in pool if any(f in s.mask for f in ("where(", "min(", "max(", "abs("))
+                  or (s.score_mod or "").startswith("score + 0.5 * tanh(")]
+    assert with_trees
+    gen = torch.Generator().manual_seed(0)
+    def plain(s):  # no cu_seqlens or other runtime inputs to make up here
+        return not s.varlen and not s.sink and not compile_mask(s.mask).inputs \
+            and not (s.score_mod and compile_score_mod(s.score_mod).inputs)
+    checked = [s for s in with_trees if plain(s)][:8]
+    assert checked
+    for spec in checked:
+        hq = spec.gqa_ratio
+        q = torch.randn(1, 19, hq, spec.head_dim, generator=gen)
+        k, v = (torch.randn(1, 23, 1, spec.head_dim, generator=gen) for _ in range(2))
+        out = reference.attention_for_spec(q, k, v, spec, softmax_scale=spec.effective_scale)
+        assert out.shape == q.shape and not out.isnan().any()
+
+
 def test_random_specs_give_up_with_a_clear_error_where_no_family_runs(monkeypatch):
     monkeypatch.setattr(families, "FAMILIES", {})
     with pytest.raises(ValueError, match=r"no kernel family plans a random problem on sm_90a"):

@@ -28,6 +28,7 @@ from attngen.maskc import (
     cuda_preamble,
 )
 from attngen.maskc.ir import Type
+from attngen.fuzz.expressions import MaskExprs, ScoreExprs
 from attngen.maskc.program import stored_text
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -52,136 +53,6 @@ class Chooser:
 
     def choice(self, seq):
         return self.draw(st.sampled_from(seq))
-
-
-class MaskExprs:
-    """Random mask text from the whole grammar. Products are kept to leaf * leaf or * literal, so
-    no value leaves int64 (torch would wrap where Python does not)."""
-
-    INT_VARS = ("q_idx", "kv_idx", "q_len", "kv_len", "b", "h")
-    CMP = ("<", "<=", ">", ">=", "==", "!=")
-
-    def __init__(self, r):
-        self.r = r
-
-    def int_leaf(self):
-        r = self.r
-        kind = r.randint(0, 5)
-        if kind <= 2:
-            return r.choice(self.INT_VARS)
-        if kind == 3:
-            return str(r.randint(-20, 20))
-        return r.choice(["off[h]", "doc[q_idx]", "doc[kv_idx]", "lim", "doc[kv_idx % 8 + 3 * b]"])
-
-    def int(self, depth):
-        r = self.r
-        if depth <= 0 or r.randint(0, 4) == 0:
-            return self.int_leaf()
-        a = lambda: self.int(depth - 1)  # a fresh subtree per call
-        kind = r.randint(0, 8)
-        if kind == 0:
-            return f"({a()} {r.choice(['+', '-'])} {a()})"
-        if kind == 1:
-            return f"({self.int_leaf()} * {r.choice([self.int_leaf(), str(r.randint(-4, 4))])})"
-        if kind == 2:
-            return f"({a()} {r.choice(['//', '%'])} {r.randint(1, 9)})"
-        if kind == 3:
-            return f"abs({a()})"
-        if kind == 4:
-            args = ", ".join(a() for _ in range(r.randint(2, 3)))
-            return f"{r.choice(['min', 'max'])}({args})"
-        if kind == 5:
-            return f"where({self.bool(depth - 1)}, {a()}, {a()})"
-        if kind == 6:
-            return f"-({a()})"
-        return f"({a()} + {a()} * {r.randint(-3, 3)})"
-
-    def builtin(self):
-        r = self.r
-        return r.choice([
-            "none", "causal", f"sliding_window({r.randint(0, 20)}, {r.randint(0, 20)})",
-            f"chunked({r.randint(1, 16)})", f"prefix_lm({r.randint(0, 20)})",
-        ])
-
-    def bool(self, depth):
-        r = self.r
-        if depth <= 0 or r.randint(0, 3) == 0:
-            kind = r.randint(0, 5)
-            if kind <= 2:
-                return f"({self.int(depth - 1)} {r.choice(self.CMP)} {self.int(depth - 1)})"
-            if kind == 3:
-                ops = r.choice(self.CMP), r.choice(self.CMP)
-                return f"({self.int(0)} {ops[0]} {self.int(1)} {ops[1]} {self.int(0)})"
-            if kind == 4:
-                return r.choice(["True", "False"])
-            return self.builtin()
-        a = lambda: self.bool(depth - 1)
-        kind = r.randint(0, 6)
-        if kind == 0:
-            return f"({a()} and {a()})"
-        if kind == 1:
-            return f"({a()} or {a()})"
-        if kind == 2:
-            return f"(not {a()})"
-        if kind == 3:
-            return f"({a()} {r.choice(['&', '|'])} {a()})"
-        if kind == 4:
-            return f"where({a()}, {a()}, {a()})"
-        if kind == 5:
-            return f"({a()} {r.choice(['==', '!='])} {a()})"
-        return f"({self.int(depth - 1)} {r.choice(self.CMP)} {self.int(depth - 1)})"
-
-    def mask(self):
-        return self.bool(self.r.randint(1, 4))
-
-
-class ScoreExprs(MaskExprs):
-    """Random score-modifier text; exp, log, sqrt and / get arguments that keep values finite.
-    Inputs are floats in a score modifier, so integer parts read none."""
-
-    def int_leaf(self):
-        r = self.r
-        return r.choice(self.INT_VARS) if r.randint(0, 2) else str(r.randint(-20, 20))
-
-    def float(self, depth):
-        r = self.r
-        if depth <= 0 or r.randint(0, 4) == 0:
-            kind = r.randint(0, 7)
-            if kind <= 2:
-                return "score"
-            if kind == 3:
-                return r.choice(["0.5", "2.0", "-1.25", "3.0", "0.1"])
-            if kind == 4:
-                return f"({self.int(1)} * 0.25)"
-            if kind == 5:
-                return r.choice(["bias[h]", "slope[h]"])
-            return r.choice(["softcap(30)", "softcap(2.5)", "alibi"])
-        a = lambda: self.float(depth - 1)
-        kind = r.randint(0, 11)
-        if kind <= 1:
-            return f"({a()} {r.choice(['+', '-', '*'])} {a()})"
-        if kind == 2:
-            return f"({a()} / (abs({a()}) + 1.0))"
-        if kind == 3:
-            return f"tanh({a()})"
-        if kind == 4:
-            return f"exp(tanh({a()}))"
-        if kind == 5:
-            return f"log(abs({a()}) + 1.0)"
-        if kind == 6:
-            return f"sqrt(abs({a()}) + 1.0)"
-        if kind == 7:
-            return f"abs({a()})"
-        if kind == 8:
-            return f"{r.choice(['min', 'max'])}({a()}, {a()})"
-        if kind == 9:
-            return f"where({self.bool(depth - 2)}, {a()}, {a()})"
-        if kind == 10:
-            return f"-({a()})"
-        return f"({a()} + {self.int(depth - 1)})"
-
-    def score_mod(self):
-        return self.float(self.r.randint(1, 4))
 
 
 @st.composite

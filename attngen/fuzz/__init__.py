@@ -4,6 +4,7 @@ One job per module:
   case.py        FuzzCase (spec, shape, memory layout, data seed) and its deterministic, poisoned inputs
   pool.py        the specs to fuzz, asked of the kernel families: every family that supports a problem
                  on the runner's target, with its default and a few other configs; random specs
+  expressions.py random mask and score-modifier text from the whole grammar (random specs, CPU tests)
   strategies.py  hypothesis strategies over spec x shape x data, with the edge cases kernels get wrong
   runners.py     the thing under test: the compiled kernel for the GPU's target (optionally with a
                  deliberate fault), or the reference itself (to test the harness without a GPU)

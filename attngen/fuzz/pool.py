@@ -16,7 +16,8 @@ fixed; hypothesis shrinks towards its first spec, a problem without a mask.
 
 Random specs (`--random-specs`): a random problem (one in five packed, where its mask and
 modifier allow), a random family that supports it on the target, and three times in four a random
-config of that family that plans on the target.
+config of that family that plans on the target. Masks and score modifiers include random
+expression trees from the whole grammar (attngen/fuzz/expressions.py, without runtime inputs).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import random
 from attngen import block_sparse, families, varlen
 from attngen.dtypes import DTYPES
 from attngen.errors import SpecError
+from attngen.fuzz.expressions import MaskExprs, ScoreExprs
 from attngen.families.base import Config, KernelFamily, Plan
 from attngen.spec import HEAD_DIMS, AttentionSpec, Problem
 from attngen.targets import Target
@@ -149,7 +151,9 @@ def _extra_specs(family: KernelFamily, target: Target) -> list[AttentionSpec]:
 
 
 def random_mask(rng: random.Random) -> str:
-    """none or causal half the time, else a built-in with random parameters, possibly combined."""
+    """none or causal half the time, else a built-in with random parameters, possibly combined, or
+    (one time in ten) a random expression tree from the whole grammar, without runtime inputs."""
+    tree = lambda: MaskExprs(rng, inputs=False).mask()  # noqa: E731
     choices = [
         lambda: rng.choice(("none", "causal")),
         lambda: f"sliding_window({rng.randint(0, 300)}, {rng.choice((0, 0, rng.randint(0, 100)))})",
@@ -163,16 +167,20 @@ def random_mask(rng: random.Random) -> str:
                                      rng.choice((64, 128, 256, rng.randint(1, 300))),
                                      rng.choice((64, 128, 256, rng.randint(1, 300))), rng.random() < 0.5,
                                      rng.random() < 0.5),
+        tree,
     ]
-    return choices[0]() if rng.random() < 0.5 else rng.choice(choices[1:])()
+    return choices[0]() if rng.random() < 0.5 else rng.choice(choices[1:] + [tree])()
 
 
 def random_score_mod(rng: random.Random) -> str:
-    """A modifier that does not blow logits up (the tolerances assume scores no larger than scale * q.k)."""
+    """A modifier that does not blow logits up (the tolerances assume scores no larger than scale * q.k):
+    a built-in or fixed form, or a random expression tree (without runtime inputs) kept to a
+    perturbation of the score within +-0.5 through tanh."""
     return rng.choice([
         lambda: f"softcap({rng.choice((5.0, 20.0, 50.0))})",
         lambda: f"score - {rng.choice((0.01, 0.1, 0.5))} * abs(q_idx + (kv_len - q_len) - kv_idx)",
         lambda: f"where(kv_idx % {rng.randint(2, 5)} == 0, score - 1.0, score)",
+        lambda: f"score + 0.5 * tanh({ScoreExprs(rng, inputs=False).float(rng.randint(1, 3))})",
     ])()
 
 
