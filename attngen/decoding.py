@@ -138,9 +138,9 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, *, page_table=None,
         raise ValueError(f"cache_seqlens is {cache_seqlens.dtype} of shape {tuple(cache_seqlens.shape)}; allowed: "
                          "int32 (batch,)")
     if page_table is not None and (page_table.dtype != torch.int32 or page_table.dim() != 2
-                                   or page_table.shape[0] != cache_seqlens.shape[0]):
+                                   or page_table.shape[0] != cache_seqlens.shape[0] or page_table.shape[1] == 0):
         raise ValueError(f"page_table is {page_table.dtype} of shape {tuple(page_table.shape)}; allowed: int32 "
-                         f"(batch={cache_seqlens.shape[0]}, pages per sequence)")
+                         f"(batch={cache_seqlens.shape[0]}, pages per sequence >= 1)")
     for name, t, want in (("k_new", k_new, k_cache), ("v_new", v_new, v_cache)):
         if t.dim() != 4 or t.shape[0] != cache_seqlens.shape[0] or t.shape[2:] != want.shape[2:]:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; allowed: (batch={cache_seqlens.shape[0]}, n, "

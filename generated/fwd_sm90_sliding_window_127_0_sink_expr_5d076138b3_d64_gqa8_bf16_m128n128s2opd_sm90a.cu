@@ -1227,7 +1227,7 @@ struct Consumer {
     __device__ __forceinline__ void idle_tile(const Blocks& b, int qb) {
         const int n = b.count();
         wait_k(g);
-        flush();  // the first turn: the pending tile's last P V and its epilogue, or nothing (without CARRY)
+        flush();  // the first turn: the pending tile's last P V and its epilogue, or a pass where none is pending
         release_k(g);
 #pragma unroll 1
         for (int it = 1; it < n; ++it) {

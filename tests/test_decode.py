@@ -226,6 +226,8 @@ def test_append_kv_writes_where_the_cache_is_read(paged):
     if paged:
         with pytest.raises(ValueError, match="page_table is torch.float32"):
             append_kv(k, v, k_new, v_new, lens, page_table=table.float())
+        with pytest.raises(ValueError, match=r"page_table is torch.int32 of shape \(2, 0\); allowed: .*pages per sequence >= 1"):
+            append_kv(k, v, k_new, v_new, lens, page_table=table[:, :0])
     with pytest.raises(ValueError, match="cache_seqlens is torch.int64"):
         append_kv(k, v, k_new, v_new, lens.long(), page_table=table)
     with pytest.raises(ValueError, match="k_new has shape"):

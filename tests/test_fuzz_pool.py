@@ -141,24 +141,31 @@ def test_random_spec_pool_is_a_function_of_the_seed():
     assert any(spec.mask == "causal" for spec in pool) and any(spec.softmax_scale for spec in pool)
 
 
-def test_random_specs_carry_random_expression_trees_to_the_kernels():
+def test_random_specs_carry_random_expression_trees_to_the_kernels(monkeypatch):
     """--random-specs draws masks and score modifiers from the whole expression grammar too
     (attngen/fuzz/expressions.py, without runtime inputs), so random trees reach the GPU kernels
     and not only the compiler's CPU tests; every one compiles and the reference evaluates it."""
     import torch
 
     from attngen import reference
+    from attngen.fuzz.expressions import MaskExprs
     from attngen.fuzz.pool import random_mask, random_score_mod
     from attngen.maskc import compile_mask, compile_score_mod
 
     rng = random.Random(5)
-    masks = [random_mask(rng) for _ in range(400)]
+    masks = [random_mask(rng) for _ in range(2000)]
     trees = [m for m in masks if any(f in m for f in ("where(", "min(", "max(", "abs(", "not "))]
     assert len(trees) >= 10
     mods = [random_score_mod(rng) for _ in range(100)]
     tree_mods = [m for m in mods if m.startswith("score + 0.5 * tanh(")]
     assert len(tree_mods) >= 10
     assert all(not compile_mask(m).inputs for m in trees) and all(not compile_score_mod(m).inputs for m in tree_mods)
+    drawn = []  # trees are one non-trivial draw in nine: 1/18 of all draws
+    original = MaskExprs.mask
+    monkeypatch.setattr(MaskExprs, "mask", lambda self: drawn.append(1) or original(self))
+    for _ in range(4000):
+        random_mask(rng)
+    assert 0.035 < len(drawn) / 4000 < 0.08
     pool = random_spec_pool(3, 200, targets.target("sm_90"))
     with_trees = [s for s in pool if any(f in s.mask for f in ("where(", "min(", "max(", "abs("))
                   or (s.score_mod or "").startswith("score + 0.5 * tanh(")]
@@ -175,6 +182,25 @@ def test_random_specs_carry_random_expression_trees_to_the_kernels():
         k, v = (torch.randn(1, 23, 1, spec.head_dim, generator=gen) for _ in range(2))
         out = reference.attention_for_spec(q, k, v, spec, softmax_scale=spec.effective_scale)
         assert out.shape == q.shape and not out.isnan().any()
+
+
+def test_smooth_score_trees_have_no_kink_in_a_float():
+    """The fuzzer's random score modifiers (ScoreExprs smooth=True) take abs, min and max of integer
+    subtrees only: a kink in a float subtree (one holding the score) makes the kernel's derivative
+    jump where the exact score sits within its rounding of it, past the gradient tolerances."""
+    from attngen.fuzz.expressions import ScoreExprs
+    from attngen.maskc import compile_score_mod
+    from attngen.maskc.ir import Op, Type, walk
+
+    rng = random.Random(2)
+    kinks = {"abs", "min", "max"}
+    smooth = [compile_score_mod(ScoreExprs(rng, inputs=False, smooth=True).score_mod()) for _ in range(500)]
+    rough = [compile_score_mod(ScoreExprs(rng, inputs=False).score_mod()) for _ in range(500)]
+
+    def float_kinks(program):
+        return [n for n in walk(program.ir) if isinstance(n, Op) and n.op in kinks and n.type is Type.FLOAT]
+    assert not any(float_kinks(p) for p in smooth)
+    assert any(float_kinks(p) for p in rough)  # the check can see one
 
 
 def test_random_specs_give_up_with_a_clear_error_where_no_family_runs(monkeypatch):

@@ -97,7 +97,18 @@ class MaskExprs:
 class ScoreExprs(MaskExprs):
     """Random score-modifier text; exp, log, sqrt and / get arguments that keep values finite.
     Inputs are floats in a score modifier, so integer parts read none; `inputs`: whether float
-    leaves may read SCORE_INPUT_LEAVES (and use alibi, which reads slope)."""
+    leaves may read SCORE_INPUT_LEAVES (and use alibi, which reads slope). `smooth`: no kink in the
+    score (abs, min, max of float subtrees become sqrt(x * x + 1) and means): where the exact score
+    sits within its rounding of a kink, the kernel's derivative of the modifier jumps, which the
+    fuzzer's first-order gradient tolerances do not cover."""
+
+    def __init__(self, r, inputs: bool = True, smooth: bool = False):
+        super().__init__(r, inputs)
+        self.smooth = smooth
+
+    def magnitude(self, x: str) -> str:
+        """|x| + 1, or its smooth stand-in: at least 1 either way."""
+        return f"sqrt({x} * {x} + 1.0)" if self.smooth else f"(abs({x}) + 1.0)"
 
     def int_leaf(self):
         r = self.r
@@ -121,18 +132,20 @@ class ScoreExprs(MaskExprs):
         if kind <= 1:
             return f"({a()} {r.choice(['+', '-', '*'])} {a()})"
         if kind == 2:
-            return f"({a()} / (abs({a()}) + 1.0))"
+            return f"({a()} / {self.magnitude(a())})"
         if kind == 3:
             return f"tanh({a()})"
         if kind == 4:
             return f"exp(tanh({a()}))"
         if kind == 5:
-            return f"log(abs({a()}) + 1.0)"
+            return f"log({self.magnitude(a())})"
         if kind == 6:
-            return f"sqrt(abs({a()}) + 1.0)"
+            return f"sqrt({self.magnitude(a())})"
         if kind == 7:
-            return f"abs({a()})"
+            return self.magnitude(a()) if self.smooth else f"abs({a()})"
         if kind == 8:
+            if self.smooth:
+                return f"(({a()} + {a()}) * 0.5)"
             return f"{r.choice(['min', 'max'])}({a()}, {a()})"
         if kind == 9:
             return f"where({self.bool(depth - 2)}, {a()}, {a()})"

@@ -152,7 +152,8 @@ def _extra_specs(family: KernelFamily, target: Target) -> list[AttentionSpec]:
 
 def random_mask(rng: random.Random) -> str:
     """none or causal half the time, else a built-in with random parameters, possibly combined, or
-    (one time in ten) a random expression tree from the whole grammar, without runtime inputs."""
+    (one non-trivial draw in nine) a random expression tree from the whole grammar, without runtime
+    inputs."""
     tree = lambda: MaskExprs(rng, inputs=False).mask()  # noqa: E731
     choices = [
         lambda: rng.choice(("none", "causal")),
@@ -169,7 +170,7 @@ def random_mask(rng: random.Random) -> str:
                                      rng.random() < 0.5),
         tree,
     ]
-    return choices[0]() if rng.random() < 0.5 else rng.choice(choices[1:] + [tree])()
+    return choices[0]() if rng.random() < 0.5 else rng.choice(choices[1:])()
 
 
 def random_score_mod(rng: random.Random) -> str:
@@ -180,7 +181,7 @@ def random_score_mod(rng: random.Random) -> str:
         lambda: f"softcap({rng.choice((5.0, 20.0, 50.0))})",
         lambda: f"score - {rng.choice((0.01, 0.1, 0.5))} * abs(q_idx + (kv_len - q_len) - kv_idx)",
         lambda: f"where(kv_idx % {rng.randint(2, 5)} == 0, score - 1.0, score)",
-        lambda: f"score + 0.5 * tanh({ScoreExprs(rng, inputs=False).float(rng.randint(1, 3))})",
+        lambda: f"score + 0.5 * tanh({ScoreExprs(rng, inputs=False, smooth=True).float(rng.randint(1, 3))})",
     ])()
 
 

@@ -91,6 +91,14 @@ class ExprError(ValueError):
         super().__init__(message)
 
 
+def quiet_parse(text: str, mode: str) -> ast.AST:
+    """ast.parse of a user's text without Python's warnings about it ("invalid escape sequence",
+    "'is' with a literal": SyntaxWarning, or DeprecationWarning on 3.11), which are not ours to print."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
+        return ast.parse(text, mode=mode)
+
+
 @dataclass(frozen=True)
 class Parsed:
     ir: Node
@@ -167,9 +175,7 @@ class _Parser:
         if not self.source.strip():
             raise ExprError(self.kind, text, 1, "the expression is empty")
         try:
-            with warnings.catch_warnings():  # a user's text, not ours: "invalid escape sequence" and the like
-                warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
-                tree = ast.parse(self.source, mode="eval")
+            tree = quiet_parse(self.source, "eval")
         except SyntaxError as exc:
             raise self._syntax_error(exc) from None
         except (ValueError, MemoryError, RecursionError) as exc:  # null bytes; the parser's own limits
@@ -178,9 +184,7 @@ class _Parser:
 
     def _syntax_error(self, exc: SyntaxError) -> ExprError:
         try:  # `x = 1` is a statement, not an expression: say so rather than "invalid syntax"
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
-                statements = ast.parse(self.source, mode="exec").body
+            statements = quiet_parse(self.source, "exec").body
         except (SyntaxError, ValueError, MemoryError, RecursionError):
             statements = []
         if len(statements) == 1 and isinstance(statements[0], (ast.Assign, ast.AugAssign, ast.AnnAssign)):

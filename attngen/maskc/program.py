@@ -180,8 +180,10 @@ def builtin_conjunction(text: str) -> list[str] | None:
     stored call), else None. The text has compiled already, so each term is a valid built-in."""
     import ast
 
+    from attngen.maskc.parse import quiet_parse
+
     try:
-        tree = ast.parse(text.strip(), mode="eval").body
+        tree = quiet_parse(text.strip(), "eval").body
     except SyntaxError:
         return None
     if not (isinstance(tree, ast.BoolOp) and isinstance(tree.op, ast.And)):
