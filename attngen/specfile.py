@@ -1,7 +1,8 @@
 """Spec files: a YAML mapping of AttentionSpec fields, read strictly.
 
-- Numbers read as YAML 1.2 does: `softmax_scale: 1e-3` is a float (PyYAML's YAML 1.1 rules
-  would make it the text "1e-3").
+- Numbers and booleans read as YAML 1.2's core schema does: `softmax_scale: 1e-3` is a float
+  (PyYAML's YAML 1.1 rules would make it the text "1e-3"), `010` is ten (not 1.1's octal eight),
+  `1:04`, `1_28` and `yes` are text (not 1.1's 64, 128 and true), which the fields then refuse.
 - A key given twice is an error (YAML loaders silently keep the last one), in `config` too.
 - Anchors and aliases are refused: a spec file has no use for them, and an alias bomb
   (a few lines that expand to billions of elements) must not reach the validator.
@@ -26,6 +27,10 @@ MAX_BYTES = 1 << 20
 
 # YAML 1.2 core schema floats: 1e-3, .5, 1.0e+3, .inf, .nan (1.1's resolver wants a dot and a signed exponent).
 _FLOAT_12 = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+# ... its integers (decimal, 0o octal, 0x hex: no 1.1 leading-zero octal, base 60 or underscores) and booleans.
+_INT_12 = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_BOOL_12 = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_TAG = "tag:yaml.org,2002:"
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -79,7 +84,22 @@ class _StrictLoader(yaml.SafeLoader):
         return self.construct_document(self._root) if self._root is not None else None
 
 
-_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
+def _construct_int_12(loader: yaml.SafeLoader, node) -> int:
+    text = loader.construct_scalar(node)
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)
+
+
+# The 1.1 resolvers of ints, floats and bools out (null's are the same in 1.2), the 1.2 ones in:
+# ints before floats, so that 10 is an int.
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_TAG + "int", _TAG + "float", _TAG + "bool")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_StrictLoader.add_implicit_resolver(_TAG + "int", _INT_12, list("-+0123456789"))
+_StrictLoader.add_implicit_resolver(_TAG + "float", _FLOAT_12, list("-+0123456789."))
+_StrictLoader.add_implicit_resolver(_TAG + "bool", _BOOL_12, list("tTfF"))
+_StrictLoader.add_constructor(_TAG + "int", _construct_int_12)
 
 
 def parse(text: str, source: str) -> AttentionSpec:

@@ -63,6 +63,28 @@ def test_integers_stay_integers_and_quoted_numbers_stay_text(tmp_path):
         load_spec(write(tmp_path, "head_dim: 1e2\n"))  # a float, even a whole one
 
 
+@pytest.mark.parametrize("text, field, value", [("gqa_ratio: 010", "gqa_ratio", 10), ("gqa_ratio: 0o10", "gqa_ratio", 8),
+                                                ("gqa_ratio: 0x4", "gqa_ratio", 4), ("varlen: true", "varlen", True),
+                                                ("varlen: False", "varlen", False)])
+def test_integers_and_booleans_read_as_yaml_1_2(tmp_path, text, field, value):
+    """YAML 1.2's core schema: 010 is ten (YAML 1.1, PyYAML's default, read it as octal eight: a gqa8
+    kernel for a spec that says 10), 0o10 is eight, true/false are the booleans."""
+    spec = load_spec(write(tmp_path, f"head_dim: 64\n{text}\n"))
+    assert getattr(spec, field) == value and type(getattr(spec, field)) is type(value)
+
+
+@pytest.mark.parametrize("text, field, shown", [("gqa_ratio: 1:04", "gqa_ratio", "1:04"), ("head_dim: 1_28", "head_dim", "1_28"),
+                                                ("softmax_scale: 1_0.5", "softmax_scale", "1_0.5"),
+                                                ("varlen: yes", "varlen", "yes"), ("varlen: on", "varlen", "on")])
+def test_yaml_1_1_only_numbers_and_booleans_are_text_and_refused(tmp_path, text, field, shown):
+    """Base 60 (1:04 was 64), underscores (1_28 was 128) and yes/on (were true) are text in YAML 1.2,
+    which the field then refuses by name: never a value the file did not mean."""
+    path = write(tmp_path, f"head_dim: 64\n{text}\n" if field != "head_dim" else f"{text}\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert field in problem_fields(info.value) and shown in str(info.value)
+
+
 # -- duplicate keys -----------------------------------------------------------------
 def test_duplicate_key_is_refused_naming_it(tmp_path):
     path = write(tmp_path, "head_dim: 64\nmask: causal\nmask: none\n")
