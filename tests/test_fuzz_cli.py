@@ -156,6 +156,18 @@ def test_bad_arguments_are_named(args, match):
     assert result.exit_code == 2 and re.search(match, result.output), result.output
 
 
+@pytest.mark.parametrize("name, phrase", [("decode_llama3_8b_paged_gqa4_d128_bf16.yaml", "is a decode family, but this "
+                                           "call runs a forward family (fwd_sm90, fwd_sm80) (fuzz it with --decode)"),
+                                          ("bwd_hopper_llama3_causal_gqa4_d128_bf16.yaml", "is a backward family")])
+def test_a_spec_of_another_operation_is_a_usage_error_not_failing_cases(runners, name, phrase):
+    """The forward fuzz given a decode or backward spec file refuses it by name (exit 2), where it used
+    to compile it for every case, count each as a kernel failure and exit 1."""
+    path = Path(__file__).resolve().parents[1] / "specs" / name
+    result = fuzz(path, "--examples", "3")
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and f"Invalid value for SPEC: {path}: family=" in text and phrase in text, text
+
+
 def test_missing_spec_and_reproducer_files_are_usage_errors(runners, tmp_path):
     result = fuzz(tmp_path / "nope.yaml")
     assert result.exit_code == 2 and "Invalid value for SPEC:" in result.output

@@ -216,6 +216,7 @@ def _limits(max_seq_len: int | None):
 
 def _spec_pool(paths, random_specs: bool, random_spec_count: int, seed: int, target) -> tuple:
     """The given spec files' specs, else the built-in pool, for the runner's target; plus random specs."""
+    from attngen import families
     from attngen.families import plan_spec
     from attngen.fuzz.pool import builtin_specs, random_spec_pool
     from attngen.specfile import load_spec
@@ -226,9 +227,14 @@ def _spec_pool(paths, random_specs: bool, random_spec_count: int, seed: int, tar
             raise SpecError(f"{spec.source}: dropout_p={spec.dropout_p}: the fuzzer compares kernels with the "
                             "reference without dropout; allowed: dropout_p 0 (tests/test_gpu_dropout.py tests dropout)",
                             field="dropout_p")
-        # A family that cannot run here, or a config this GPU cannot hold, is an error naming the
-        # file, not a failing case.
-        plan_spec(spec, target)
+        # A family that cannot run here, a config this GPU cannot hold, or a family of another
+        # operation (a decode or backward spec) is an error naming the file, not a failing case.
+        try:
+            plan_spec(spec, target, operation="forward")
+        except SpecError as exc:
+            hint = " (fuzz it with --decode)" if spec.family and families.get_family(spec.family).operation == "decode" \
+                else ""
+            raise SpecError(f"{exc}{hint}", field=exc.field) from None
     pool = given or list(builtin_specs(target))
     if random_specs:
         pool += random_spec_pool(seed, random_spec_count, target)
@@ -239,6 +245,7 @@ def _families(pool, target) -> str:
     """How many of the pool's specs run as each family on the target: "fwd_sm80: 12"."""
     from collections import Counter
 
+    from attngen import families
     from attngen.families import plan_spec
 
     counts = Counter(plan_spec(spec, target).family for spec in pool)
