@@ -196,8 +196,9 @@ def generate(specs: tuple[Path, ...], out_dir: Path, prune_stale: bool) -> None:
 
 @main.command()
 @SPEC_ARG
-@click.option("--arch", "archs", multiple=True, type=click.Choice(allowed_archs()), default=DEFAULT_CHECK_ARCHS,
-              show_default=True, help="Target to compile for; repeat for several.")
+@click.option("--arch", "archs", multiple=True, type=click.Choice(allowed_archs()),
+              help=f"Target to compile for; repeat for several [default: {', '.join(DEFAULT_CHECK_ARCHS)}, each SPEC "
+                   "on those of them it runs on].")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="Parallel nvcc runs [default: CPUs].")
 @click.option("--configs", is_flag=True,
               help="Show every (kernel family, config) of each SPEC on each --arch: resources, occupancy, predicted "
@@ -210,6 +211,8 @@ def check(specs: tuple[Path, ...], archs: tuple[str, ...], jobs: int | None, con
           seqlens: tuple[int, ...], batch_heads: tuple[int, ...]) -> None:
     """Compile each SPEC with nvcc and show the ptxas resource report; fails on spills or errors.
     With --configs: every (kernel family, config) of each SPEC, pruned and ranked as `attngen tune` would."""
+    named = bool(archs)  # a target asked for by name must run every SPEC; the defaults skip where one cannot
+    archs = archs or DEFAULT_CHECK_ARCHS
     if configs:
         from attngen.tune.commands import check_configs
 
@@ -224,7 +227,14 @@ def check(specs: tuple[Path, ...], archs: tuple[str, ...], jobs: int | None, con
 
     require_nvcc()
     loaded = [attngen.load_spec(path) for path in specs]
-    jobs_list = [(path, spec, arch) for path, spec in zip(specs, loaded) for arch in dict.fromkeys(archs)]
+    jobs_list, skipped = [], []
+    for path, spec in zip(specs, loaded):
+        for arch in dict.fromkeys(archs):
+            reason = None if named else _cannot_run(spec, targets.target(arch))
+            if reason is None:
+                jobs_list.append((path, spec, arch))
+            else:
+                skipped.append(f"{path} does not run on {arch} ({reason}): skipped; name --arch {arch} to check it")
 
     def run(job):
         _, spec, arch = job
@@ -258,10 +268,25 @@ def check(specs: tuple[Path, ...], archs: tuple[str, ...], jobs: int | None, con
     # Not a terminal (CI logs, pipes): wide enough that kernel names are never cut.
     console = Console() if sys.stdout.isatty() else Console(width=200, no_color=True)
     console.print(table)
+    for note in skipped:
+        click.echo(f"note: {note}")
     for failure in failures:
         click.echo(f"error: {failure}", err=True)
     if failures:
         raise SystemExit(1)
+
+
+def _cannot_run(spec, target) -> str | None:
+    """Why no kernel family runs `spec` on `target` (its pinned family, else any that supports it), or None."""
+    from attngen import families
+
+    if spec.family is not None:
+        return families.get_family(spec.family).supports(spec.problem, target)
+    if families.supporting(spec.problem, target):
+        return None
+    reasons = [f"{family.name}: {family.supports(spec.problem, target)}" for family in families.FAMILIES.values()
+               if family.operation == "forward"]
+    return f"no forward family runs {spec.problem.label()} there; {'; '.join(reasons)}"
 
 
 @main.command()

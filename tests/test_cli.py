@@ -289,6 +289,38 @@ def test_check_reports_compile_errors_cleanly(specs, monkeypatch):
     assert "error: " in result.output and "nvcc failed" in result.output and "Traceback" not in result.output
 
 
+def test_check_skips_the_default_targets_a_spec_cannot_run_on_and_refuses_a_named_one(monkeypatch):
+    """`attngen check specs/*.yaml` (the README's example) holds specs some default target cannot run
+    (packed sequences tile per sequence on sm_90a only): those pairs are skipped with a note naming
+    the reason, not errors; a target named with --arch must run every spec."""
+    import attngen.build.nvcc
+    import attngen.cli
+
+    checked = []
+
+    def fake_check(spec, arch, **kwargs):  # plans as check_spec does (a spec no family runs raises), never compiles
+        from attngen import families, targets
+
+        families.plan_spec(spec, targets.target(arch))
+        checked.append(arch)
+        log = (f"ptxas info    : Compiling entry function '{spec.name}' for '{arch}'\n"
+               f"ptxas info    : Function properties for {spec.name}\n"
+               "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+               "ptxas info    : Used 168 registers, 1024 bytes smem, 360 bytes cmem[0]\n")
+        return parse_ptxas(log, spec.name, arch)
+
+    monkeypatch.setattr(attngen.build.nvcc, "find_nvcc", lambda: "nvcc")
+    monkeypatch.setattr(attngen.build.nvcc, "nvcc_version", lambda: "0.0")
+    monkeypatch.setattr(attngen.cli, "check_spec", fake_check)
+    path = Path(__file__).resolve().parents[1] / "specs" / "varlen_documents_causal_gqa4_d128_bf16.yaml"
+    result = invoke("check", path)
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0 and checked == ["sm_90a"], result.output
+    assert f"note: {path} does not run on sm_80 (no forward family runs" in text and "name --arch sm_80" in text
+    result = invoke("check", "--arch", "sm_80", path)
+    assert result.exit_code == 1 and "error: " in result.output and "Traceback" not in result.output
+
+
 def test_check_without_nvcc_says_how_to_get_it(specs, monkeypatch):
     import attngen.build.nvcc
 
