@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 import attngen
+from attngen.cli_types import FiniteFloatRange
 from attngen.errors import CompileError, SpecError
 from attngen.spec import AttentionSpec
 from attngen.targets import allowed_archs
@@ -295,10 +296,10 @@ def _cannot_run(spec, target) -> str | None:
               help="Sequence length to tune for; repeat for several [default: 1024 ... 16384].")
 @click.option("--batch-heads", "batch_heads", multiple=True, type=click.IntRange(min=1),
               help="Batch x query heads to tune for; repeat for several [default: 16k tokens, hidden 2048].")
-@click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+@click.option("--budget", type=FiniteFloatRange(min=0, min_open=True), default=300.0, show_default=True,
               help="Seconds for the whole run: building, timing and verifying. At least one config per shape is "
                    "always timed, so a small budget can run over.")
-@click.option("--max-fraction", type=click.FloatRange(min=0, max=1, min_open=True), default=0.3, show_default=True,
+@click.option("--max-fraction", type=FiniteFloatRange(min=0, max=1, min_open=True), default=0.3, show_default=True,
               help="Most of the space to time per shape.")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Tuning database [default: $ATTNGEN_TUNING_DB, else tuning.sqlite3 in the cache dir].")

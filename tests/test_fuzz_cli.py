@@ -146,6 +146,7 @@ def test_sanitize_replays_one_case_per_kernel(runners, spec_file, tmp_path, monk
     [
         (("--examples", 0), r"Invalid value for '--examples': 0 is not in the range x>=1"),
         (("--time-budget", 0), r"Invalid value for '--time-budget': 0.0 is not in the range x>0"),
+        (("--time-budget", "nan"), r"Invalid value for '--time-budget': 'nan' is not a finite number"),
         (("--max-seq-len", 1), r"Invalid value for '--max-seq-len': 1 is not in the range x>=2"),
         (("--fault", "nope"), r"Invalid value for '--fault': 'nope' is not 'drop_last_partial_kv_tile'"),
         (("--replay", "x", "spec.yaml"), r"--replay runs reproducers: it takes no SPEC arguments"),

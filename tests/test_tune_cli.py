@@ -176,6 +176,9 @@ def test_tune_refuses_a_narrowed_spec_without_store_narrowed_before_anything_run
     ((), "give at least one SPEC"),
     (("--budget", "0"), "--budget"),
     (("--max-fraction", "1.5"), "--max-fraction"),
+    (("--budget", "nan"), "Invalid value for '--budget': 'nan' is not a finite number"),  # nan passed FloatRange
+    (("--budget", "inf"), "Invalid value for '--budget': 'inf' is not a finite number"),
+    (("--max-fraction", "nan"), "Invalid value for '--max-fraction': 'nan' is not a finite number"),
 ])
 def test_tune_bad_arguments(tmp_path, args, message):
     result = invoke("tune", *args)

@@ -24,6 +24,7 @@ from typing import Callable, NoReturn
 
 import click
 
+from attngen.cli_types import FiniteFloatRange
 from attngen.errors import SpecError
 from attngen.faults import FAULTS
 
@@ -73,7 +74,7 @@ def _status(*statuses: int) -> int:
               help="Cases to run (shrink steps not counted).")
 @click.option("--seed", type=click.IntRange(min=0), default=None,
               help="Makes the run repeatable (cases and data). [default: random, printed]")
-@click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+@click.option("--time-budget", type=FiniteFloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
               help="Stop drawing new cases after this long; a failure found in time is still shrunk.")
 @click.option("--max-seq-len", type=click.IntRange(min=2), default=None, metavar="N",
               help="Longest query/key length to draw (a single query sees up to 4N keys) [default: 4200]; with "
