@@ -188,9 +188,20 @@ def generate(specs: tuple[Path, ...], out_dir: Path, prune_stale: bool) -> None:
                 raise SpecError(f"{origin[fname]} and {path} both produce {fname}, with different content",
                                 field=None)
             files[fname], origin[fname] = text, path
+    try:  # a usage error naming --out, not an OSError's errno text
+        if out_dir.exists() and not out_dir.is_dir():
+            raise NotADirectoryError(20, "it exists and is not a directory")
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(f"{out_dir}: {exc.strerror}; allowed: a directory that exists or can be created",
+                                 param_hint="'-o' / '--out'") from None
     for fname, text in sorted(files.items()):
         target = out_dir / fname
-        click.echo(f"{'wrote    ' if write_if_different(target, text) else 'unchanged'} {target}")
+        try:
+            wrote = write_if_different(target, text)
+        except OSError as exc:
+            raise click.BadParameter(f"cannot write {target}: {exc.strerror}", param_hint="'-o' / '--out'") from None
+        click.echo(f"{'wrote    ' if wrote else 'unchanged'} {target}")
     if prune_stale and out_dir.is_dir():
         prune(out_dir, set(files))
 

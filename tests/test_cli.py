@@ -85,6 +85,16 @@ def test_generate_writes_source_and_manifest(specs, tmp_path):
     assert str(out / f"{name}.cu") in result.output
 
 
+def test_generate_to_an_out_that_cannot_be_a_directory_is_a_usage_error_naming_out(specs, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for out, why in [(afile / "sub", "Not a directory"), (Path("/dev/null"), "it exists and is not a directory"),
+                     (Path("/proc/attngen-out"), "")]:  # (why there depends on the system)
+        result = invoke("generate", "-o", out, specs[0])
+        assert result.exit_code == 2 and "Invalid value for '-o' / '--out'" in result.output, result.output
+        assert f"{out}: {why}" in result.output and "Traceback" not in result.output
+
+
 def test_generate_is_deterministic(specs, tmp_path):
     first, second = tmp_path / "a", tmp_path / "b"
     assert invoke("generate", *specs, "-o", first).exit_code == 0
