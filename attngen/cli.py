@@ -346,6 +346,11 @@ def tune(specs: tuple[Path, ...], seqlens: tuple[int, ...], batch_heads: tuple[i
               "backward against SDPA flash and cuDNN, and the peak memory of forward + backward.")
 def bench(out_dir: Path, quick: bool, masks: bool, decode: bool, backward: bool) -> None:
     """Benchmark the kernels against torch SDPA and FlexAttention (needs a CUDA GPU)."""
+    modes = [flag for flag, on in (("--masks", masks), ("--decode", decode), ("--backward", backward)) if on]
+    if len(modes) > 1:
+        raise click.UsageError(f"{' and '.join(modes)} are separate benchmarks; give one per run")
+    if quick and modes:
+        raise click.UsageError(f"--quick shortens the forward benchmark only; {modes[0]} has no short form")
     try:
         # All imported up front, so a missing one fails now rather than after minutes of timing.
         import cupy  # noqa: F401

@@ -265,6 +265,17 @@ def test_generate_needs_no_torch(specs, tmp_path):
     assert (tmp_path / "gen" / f"{CAUSAL.name}.cu").is_file()
 
 
+@pytest.mark.parametrize("args, message", [
+    (("--masks", "--decode"), "--masks and --decode are separate benchmarks; give one per run"),
+    (("--decode", "--backward", "--masks"), "--masks and --decode and --backward are separate benchmarks"),
+    (("--quick", "--masks"), "--quick shortens the forward benchmark only; --masks has no short form"),
+])
+def test_bench_modes_that_do_not_combine_are_usage_errors(args, message):
+    """One benchmark per run: given several, the first used to run and the rest were dropped silently."""
+    result = invoke("bench", *args)
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
 def test_bench_without_gpu_exits_2(tmp_path):
     try:
         import torch
