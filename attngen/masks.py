@@ -202,7 +202,7 @@ def scan_bounds(classify: Callable[[int, int], str], Sk: int, block_n: int) -> t
 def get_mask(text: str) -> MaskLowering:
     """The lowering of a mask's text; ValueError naming mask= and what is allowed otherwise."""
     if not isinstance(text, str):  # before the cache: an unhashable value is a user mistake too
-        raise ValueError(f"mask={text!r} is invalid; allowed: {ALLOWED}")
+        raise ValueError(f"mask={_show(text)} is invalid; allowed: {ALLOWED}")
     return _lower(text)
 
 
@@ -217,7 +217,7 @@ def _lower(text: str) -> MaskLowering:
         canonical = maskc.stored_text(text, "mask")
         program = maskc.compile_mask(canonical)  # every spelling lowers from the stored text: one kernel
     except maskc.ExprError as exc:
-        raise ValueError(f"mask={text!r} is invalid: {exc}; allowed: {ALLOWED}") from None
+        raise ValueError(f"mask={_show(text)} is invalid: {exc}; allowed: {ALLOWED}") from None
     closed = closed_form(canonical, parse(canonical, "mask").builtin)
     # Runtime inputs are read from the kernel's argument struct p (attngen/runtime_inputs.py).
     return MaskLowering(canonical, program.slug, program.cuda_visible(input_ref),
@@ -277,3 +277,10 @@ def mask_problem(problem, per_sequence_tiles: bool = False) -> str | None:
 def canonical(text: str) -> str:
     """The canonical text of a mask (what AttentionSpec stores); ValueError as get_mask."""
     return get_mask(text).text
+
+
+def _show(value) -> str:
+    """The value as error messages show it: repr(), a long text elided (attngen.spec.show)."""
+    from attngen.spec import show  # (attngen.spec imports this module)
+
+    return show(value)

@@ -447,3 +447,14 @@ def test_spec_file_loads_and_renders(path):
     assert spec.arch is not None
     assert spec.config is None, "config fields are left to the family's defaults (and the tuner)"
     assert f"{spec.name}(" in render(spec)
+
+
+@pytest.mark.parametrize("field, text", [("mask", "q_idx < " + "1 + " * 3000 + "("),
+                                         ("score_mod", "score + " * 2000 + "("), ("sink", "sinks[h] + " * 1500 + "(")])
+def test_a_huge_expression_is_shown_cut_short_in_its_error(field, text):
+    """A 10k-character expression (a generated mask, say) used to be echoed whole in the error: one
+    line of 10-13 KB. It is elided like any long value in a message."""
+    with pytest.raises(SpecError) as info:
+        AttentionSpec(head_dim=64, **{field: text})
+    message = str(info.value)
+    assert f"{field}='" in message and "..." in message and len(message) < 1500, len(message)
