@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from attngen import load_spec, targets
 from attngen.dtypes import DTYPES
 from attngen.errors import SpecError
-from attngen.families import FAMILIES, get_family, plan_spec
+from attngen.families import BACKWARD_FAMILIES, DECODE_FAMILIES, FAMILIES, get_family, plan_spec
 from attngen.families.fwd_sm80.family import ROWS_PER_WARP
 from attngen import masks
 from attngen.spec import FLOAT32_MAX, FLOAT32_MIN_NORMAL, HEAD_DIMS, LEGACY_TILE_FIELDS, MAX_GQA_RATIO, AttentionSpec
@@ -263,7 +263,7 @@ BAD_VALUES = {
     "mask": _not_in((), optional=False).filter(lambda v: not _compiles_as_mask(v)),
     "softmax_scale": st.sampled_from([0, 0.0, -0.5, math.nan, math.inf, -math.inf, 1e-50, 1e300, True, "0.1", [1.0]]),
     "arch": _not_in(ARCHS, optional=True),
-    "family": _not_in(tuple(FAMILIES), optional=True),
+    "family": _not_in(tuple(FAMILIES) + tuple(DECODE_FAMILIES) + tuple(BACKWARD_FAMILIES), optional=True),  # every operation's
 }
 # Which set a message must name as allowed (an element of it, at least).
 ALLOWED_EXAMPLE = {"head_dim": "128", "dtype": "bf16", "gqa_ratio": str(MAX_GQA_RATIO), "mask": "causal",
