@@ -296,6 +296,19 @@ def test_prefix_lm_takes_a_length_per_sequence_from_a_runtime_input():
         assert info.value.piece == piece
 
 
+@pytest.mark.parametrize("text, hint", [
+    ("causl", "('causl' is not a built-in or variable: a bare name reads a runtime input, an integer; did you mean 'causal'?)"),
+    ("CAUSAL", "did you mean 'causal'?"),
+    ("causal and windw", "('windw' is not a built-in or variable: a bare name reads a runtime input, an integer)"),
+])
+def test_a_misspelt_builtin_is_named_as_the_input_it_was_read_as(text, hint):
+    """A bare name is a runtime input, so a typo in a built-in fails as a type error ("got int"): the
+    message says what the name was taken for, and the built-in it is close to."""
+    with pytest.raises(ExprError) as info:
+        compile_mask(text)
+    assert hint in str(info.value)
+
+
 def test_builtin_score_mods():
     softcap = compile_score_mod("softcap(30)")
     assert (softcap.canonical, softcap.slug, softcap.inputs) == ("30.0 * tanh(score / 30.0)", "softcap_30", ())

@@ -14,6 +14,7 @@ literals, no `/`, no float functions, so mask classification needs integer inter
 from __future__ import annotations
 
 import ast
+import difflib
 import math
 import re
 import warnings
@@ -118,7 +119,7 @@ def parse(text: str, kind: str) -> Parsed:
     if node.type is not want:
         what = "a mask must be a boolean expression" if kind == "mask" else \
             "a score modifier must be a float expression (it replaces score, e.g. score + ...)"
-        raise parser.error(root_ast, f"{what}; got {node.type.value}")
+        raise parser.error(root_ast, f"{what}; got {node.type.value}{parser.input_hint(node)}")
     return Parsed(node, parser.builtin_calls.get(id(root_ast)))
 
 
@@ -163,7 +164,20 @@ class _Parser:
         try:
             return ir.make(op, *args)
         except IRError as exc:
-            raise self.error(node, str(exc)) from None
+            raise self.error(node, str(exc) + self.input_hint(*args)) from None
+
+    def input_hint(self, *nodes: Node) -> str:
+        """For a type error whose operand is a bare name read as a runtime input: most likely a misspelt
+        built-in or variable (`causl`, `CAUSAL`), so say what the name was taken for, and what is close."""
+        names = [n.name for n in nodes if isinstance(n, Input) and not n.index]
+        if not names:
+            return ""
+        known = [*visible_builtins(self.kind), *ir.INDEX_VARS] + ([ir.SCORE] if self.kind == "score_mod" else [])
+        close = difflib.get_close_matches(names[0].lower(), known, n=1, cutoff=0.6) or \
+            [k for k in known if k == names[0].lower()]
+        what = "an integer" if self.program_kind == "mask" else "a float"
+        guess = f"; did you mean {close[0]!r}?" if close else ""
+        return f" ({names[0]!r} is not a built-in or variable: a bare name reads a runtime input, {what}{guess})"
 
     # -- entry ----------------------------------------------------------------------------------
 
