@@ -359,7 +359,7 @@ def bench(out_dir: Path, quick: bool, masks: bool, decode: bool, backward: bool)
 
         from attngen.bench import run_bench
     except ImportError as exc:
-        click.echo(f"error: attngen bench needs a CUDA GPU with torch, CuPy (e.g. pip install cupy-cuda12x) and "
+        click.echo(f"error: attngen bench needs a CUDA GPU with torch, CuPy (pip install 'attngen[cuda13]', or [cuda12]) and "
                    f"matplotlib; import failed: {exc}", err=True)
         raise SystemExit(2) from None
     if not torch.cuda.is_available():

@@ -43,7 +43,9 @@ def keep_scale(p: float) -> float:
 def problem(value) -> str | None:
     """What is wrong with a spec's dropout_p (None when nothing is)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"dropout_p={value!r} is invalid (a {type(value).__name__}, must be a number); allowed: {ALLOWED}"
+        from attngen.spec import type_article  # (attngen.spec imports this module)
+
+        return f"dropout_p={value!r} is invalid ({type_article(value)}, must be a number); allowed: {ALLOWED}"
     if value == 0:
         return None
     if not (math.isfinite(value) and 0 < value < 1) or not 1 <= threshold(value) < LEVELS:

@@ -67,7 +67,15 @@ def is_set(name: str, value) -> bool:
 
 def _type_hint(value, want: str) -> str:
     """' (a str, must be an integer)' for a value of the wrong type: the usual YAML slip ("128")."""
-    return f" (a {type(value).__name__}, must be {want})"
+    return f" ({type_article(value)}, must be {want})"
+
+
+def type_article(value) -> str:
+    """'a str', 'an int', 'None': what a value of the wrong type is, for messages."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
 
 
 @dataclass(frozen=True)

@@ -309,6 +309,16 @@ def test_a_misspelt_builtin_is_named_as_the_input_it_was_read_as(text, hint):
     assert hint in str(info.value)
 
 
+@pytest.mark.parametrize("text, column", [("q_idx >", 8), ("causal and", 11)])
+def test_an_expression_that_ends_too_soon_says_so_at_its_end(text, column):
+    """Python reports an unfinished expression as 'invalid syntax' at offset 0: the error said column 1
+    and "invalid syntax (invalid syntax)"."""
+    with pytest.raises(ExprError) as info:
+        compile_mask(text)
+    assert info.value.column == column and "the expression ends too soon" in str(info.value)
+    assert "(invalid syntax)" not in str(info.value)
+
+
 def test_builtin_score_mods():
     softcap = compile_score_mod("softcap(30)")
     assert (softcap.canonical, softcap.slug, softcap.inputs) == ("30.0 * tanh(score / 30.0)", "softcap_30", ())

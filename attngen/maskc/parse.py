@@ -206,7 +206,11 @@ class _Parser:
         line = (exc.lineno or 1) + self.line_shift
         column = max(1, exc.offset or 1) + (self.column_shift if (exc.lineno or 1) == 1 else 0)
         piece = self.text if len(self.text) <= 60 else self.text[:57] + "..."
-        return ExprError(self.kind, piece, column, f"invalid syntax ({exc.msg})", line=line)
+        problem = "invalid syntax" if exc.msg == "invalid syntax" else f"invalid syntax ({exc.msg})"
+        if not exc.offset and self.source.count("\n") == 0:  # Python's offset 0: the text ended too soon
+            column = len(self.text.rstrip()) + 1
+            problem = "invalid syntax: the expression ends too soon (an operand or a closing bracket is missing)"
+        return ExprError(self.kind, piece, column, problem, line=line)
 
     def expr(self, node: ast.AST, depth: int) -> Node:
         if depth > MAX_DEPTH:
