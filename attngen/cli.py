@@ -264,7 +264,7 @@ def check(specs: tuple[Path, ...], archs: tuple[str, ...], jobs: int | None, con
     failures: list[str] = []
     for (path, spec, arch), res in zip(jobs_list, results):
         if isinstance(res, Exception):
-            failures.append(f"{path} ({arch}): {res}")
+            failures.append(f"{path} ({arch}): {str(res).removeprefix(f'{path}: ')}")
             table.add_row(str(path), arch, *["-"] * 5, "[red]error[/red]")
             continue
         problems = {}

@@ -201,3 +201,14 @@ def test_tune_import_of_a_bad_file_is_a_clean_error(tmp_path):
 def test_check_shape_options_need_configs(tmp_path):
     result = invoke("check", "--seqlen", "1024", spec_file(tmp_path, head_dim=64))
     assert result.exit_code == 2 and "only apply with --configs" in result.output
+
+
+@needs_nvcc
+@pytest.mark.parametrize("configs", [(), ("--configs",)])
+def test_check_of_a_spec_its_target_cannot_run_names_the_file_and_the_target_once(tmp_path, configs):
+    spec = spec_file(tmp_path, head_dim=64, family="fwd_sm90")
+    result = invoke("check", *configs, "--arch", "sm_80", spec)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert f"error: {spec} (sm_80): family='fwd_sm90' cannot run" in " ".join(result.output.split())
+    error = " ".join(result.output[result.output.index("error: "):].split())
+    assert error.count(str(spec)) == 1  # not "path (sm_80): path: ..."

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from attngen.bench import HIDDEN, TOKENS  # the FlashAttention papers' benchmark setup
+from attngen.errors import SpecError
 from attngen.spec import AttentionSpec
 from attngen.tune.model import Shape, gpu_model
 
@@ -51,7 +52,11 @@ def check_configs(spec_paths: tuple[Path, ...], archs: tuple[str, ...], seqlens:
         for arch in dict.fromkeys(archs):
             target = targets.target(arch)
             gpu = gpu_model(target)
-            space = search_space(spec, target)
+            try:
+                space = search_space(spec, target)
+            except SpecError as exc:  # name the file and the target once (the spec's own message may name the file)
+                message = str(exc).removeprefix(f"{path}: ")
+                raise SpecError(f"{path} ({target.name}): {message}", field=exc.field) from None
             pruned = analyse(space, gpu, jobs)
             for shape in shapes_for(spec, seqlens, batch_heads):
                 ranked = rank(pruned, gpu, shape)
