@@ -132,6 +132,7 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
         requires grad but is read by the mask or score modifier, a dropout_p the kernels cannot
         realise, a dropout_seed that is no int in [0, 2**64) or an int64 CUDA tensor of shape (2,).
     """
+    check_call_args(return_lse=return_lse, deterministic=deterministic, inputs=inputs, q=q, k=k, v=v)
     _check_seed(dropout_seed)
     if block_mask is not None:
         from attngen import block_sparse
@@ -165,6 +166,47 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
         out, lse = forward(q, k, v, _spec_from_key(key), softmax_scale=softmax_scale, inputs=inputs,
                            rng=_cupy_rng(q, spec.dropout_p if spec is not None else dropout_p, dropout_seed))
     return (out, lse) if return_lse else out
+
+
+def _array_kind(t) -> str | None:
+    """"torch" for a torch tensor, "cupy" for a CuPy array, else None."""
+    module = type(t).__module__
+    for kind in ("torch", "cupy"):
+        if (module == kind or module.startswith(kind + ".")) and hasattr(t, "shape"):
+            return kind
+    return None
+
+
+def check_call_args(*, return_lse=False, deterministic=None, inputs=None, **arrays) -> None:
+    """ValueError naming a front door's argument of the wrong kind, before any of its attributes is
+    read: every array a torch tensor or a CuPy array, all of one kind; inputs None or a dict of name
+    -> tensor (or array) of that kind; return_lse a bool; deterministic None or a bool."""
+    from attngen.spec import type_article
+
+    kinds = {}
+    for name, t in arrays.items():
+        kind = _array_kind(t)
+        if kind is None:
+            raise ValueError(f"{name} is {type_article(t)}; allowed: a torch CUDA tensor or a CuPy array")
+        kinds[name] = kind
+    names = list(kinds)
+    other = next((n for n in names if kinds[n] != kinds[names[0]]), None)
+    if other is not None:
+        raise ValueError(f"{names[0]} is a {kinds[names[0]]} array and {other} a {kinds[other]} one; allowed: all "
+                         "of one kind")
+    if inputs is not None:
+        if not isinstance(inputs, dict):
+            raise ValueError(f"inputs is {type_article(inputs)}; allowed: None or a dict of name -> tensor")
+        for name, t in inputs.items():
+            if not isinstance(name, str):
+                raise ValueError(f"inputs has the key {name!r}; allowed: names (str)")
+            if _array_kind(t) is None:
+                raise ValueError(f"inputs[{name!r}] is {type_article(t)}; allowed: a torch CUDA tensor or a CuPy array "
+                                 "(a scalar input is a 0-dim tensor)")
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse={return_lse!r} is invalid; allowed: True, False")
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic={deterministic!r} is invalid; allowed: None, True, False")
 
 
 def _deterministic(torch, deterministic, spec) -> bool:

@@ -46,6 +46,9 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, page_table=None, spec: Attenti
     """
     from attngen import api
 
+    arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens}
+    api.check_call_args(return_lse=return_lse, inputs=inputs, **arrays,
+                        **({} if page_table is None else {"page_table": page_table}))
     key = api._spec_key(q, k_cache, spec, mask, score_mod, sink)
     if type(q).__module__.startswith("torch"):
         import torch
@@ -147,6 +150,17 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, *, page_table=None,
                              f"{want.shape[2]}, {want.shape[3]}) for this cache")
         if t.dtype != want.dtype or t.device != want.device:
             raise ValueError(f"{name} is {t.dtype} on {t.device}; allowed: the cache's {want.dtype} on {want.device}")
+    if v_new.shape != k_new.shape:
+        raise ValueError(f"k_new has shape {tuple(k_new.shape)} and v_new {tuple(v_new.shape)}; allowed: the same "
+                         "shape (one key and one value per new token)")
+    if page_table is None and k_cache.shape[0] != cache_seqlens.shape[0]:
+        raise ValueError(f"k_cache has {k_cache.shape[0]} sequences (shape {tuple(k_cache.shape)}) and cache_seqlens "
+                         f"{cache_seqlens.shape[0]}; allowed: one cache row per sequence (a contiguous cache is "
+                         "(batch, capacity, heads_kv, head_dim))")
+    if k_cache.shape[1] == 0:
+        raise ValueError(f"k_cache has shape {tuple(k_cache.shape)}; allowed: a page size (or capacity) of at least 1")
+    if not isinstance(check, bool):
+        raise ValueError(f"check={check!r} is invalid; allowed: True, False")
     n = k_new.shape[1]
     positions = cache_seqlens.long()[:, None] + torch.arange(n, device=k_new.device)  # (batch, n)
     # A write that does not fit (a position outside the sequence's capacity, a page id outside the

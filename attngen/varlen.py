@@ -279,8 +279,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     0 and -inf (with a sink, its logit). cu_seqlens are not read on the host (no synchronisation):
     values that are not nondecreasing from 0 to the totals give the attention of the sequences they
     describe, and rows before cu_seqlens_q[0] or from cu_seqlens_q[-1] on are a sequence without keys."""
-    from attngen.api import attention
+    from attngen.api import attention, check_call_args
 
+    check_call_args(return_lse=return_lse, deterministic=deterministic, inputs=inputs, q=q, k=k, v=v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if len(getattr(t, "shape", ())) != 3:
             raise ValueError(f"{name} must have 3 dims (total_tokens, heads, head_dim) for attention_varlen, got "

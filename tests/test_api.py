@@ -170,3 +170,44 @@ def test_docstring_documents_the_contract():
     for phrase in ("(batch, seq_q, heads_q, head_dim)", "bottom-right", "float32 (batch, heads_q, seq_q)",
                    "lse -inf", "torch.compile(fullgraph=True)", "Raises:"):
         assert phrase in doc
+
+
+def test_arguments_of_the_wrong_kind_are_named_before_anything_reads_them():
+    """None, lists, numpy arrays, a non-dict inputs, non-tensor input values, a non-bool return_lse or
+    deterministic: a ValueError naming the argument at each front door, where these reached an
+    AttributeError, a raw TypeError or torch's dispatcher text (and a str return_lse was taken as true)."""
+    import numpy as np
+
+    from attngen.decoding import append_kv
+
+    q = torch.randn(1, 4, 2, 64, dtype=torch.bfloat16)
+    grad_q = q.clone().requires_grad_()
+    for call, match in [
+        (lambda: attngen.attention(None, q, q), "q is None; allowed: a torch CUDA tensor or a CuPy array"),
+        (lambda: attngen.attention(q, [1], q), "k is a list; allowed: a torch CUDA tensor"),
+        (lambda: attngen.attention(grad_q, q, np.zeros(3)), "v is an? ndarray; allowed: a torch CUDA tensor"),
+        (lambda: attngen.attention(q, q, q, inputs=5), "inputs is an int; allowed: None or a dict"),
+        (lambda: attngen.attention(grad_q, q, q, inputs={"doc": 5}), r"inputs\['doc'\] is an int; allowed"),
+        (lambda: attngen.attention(q, q, q, return_lse="no"), "return_lse='no' is invalid; allowed: True, False"),
+        (lambda: attngen.attention(q, q, q, deterministic="no"), "deterministic='no' is invalid"),
+        (lambda: attngen.attention_varlen(q[0], np.zeros(3), q[0], None, None), "k is an? ndarray; allowed"),
+        (lambda: attngen.attention_varlen(q[0], q[0], q[0], None, None, inputs=(1,)), "inputs is a tuple; allowed"),
+        (lambda: attngen.decode(None, q, q, q), "q is None; allowed"),
+        (lambda: attngen.decode(q, q, [q], q), "v_cache is a list; allowed"),
+        (lambda: attngen.decode(q, q, q, q, page_table="p"), "page_table is a str; allowed"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    # append_kv: the shapes it used to accept or fail on inside torch.
+    k, v = torch.zeros(2, 16, 2, 64), torch.zeros(2, 16, 2, 64)
+    lens = torch.tensor([0, 3], dtype=torch.int32)
+    new = torch.randn(2, 2, 2, 64)
+    with pytest.raises(ValueError, match=r"k_new has shape \(2, 2, 2, 64\) and v_new \(2, 1, 2, 64\); allowed: the same"):
+        append_kv(k, v, new, new[:, :1], lens)  # v's one token went into both slots, silently
+    with pytest.raises(ValueError, match="k_cache has 1 sequences .* and cache_seqlens 2; allowed: one cache row"):
+        append_kv(k[:1], v[:1], new, new, lens)
+    with pytest.raises(ValueError, match=r"k_cache has shape \(4, 0, 2, 64\); allowed: a page size"):
+        append_kv(torch.zeros(4, 0, 2, 64), torch.zeros(4, 0, 2, 64), new, new, lens,
+                  page_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="check=None is invalid; allowed: True, False"):
+        append_kv(k, v, new, new, lens, check=None)
