@@ -124,10 +124,13 @@ def lowered(mask: str, score_mod: str | None, sink: str | None) -> tuple[str, st
     from attngen.masks import get_mask
     from attngen.score_mods import get_score_mod
 
+    from attngen.score_mods import canonical_sink
+
     programs = [("mask", get_mask(mask).program, "mask")]
-    for name, text in (("score_mod", score_mod), ("sink", sink)):
-        if text is not None:
-            programs.append((name, get_score_mod(text).program, "score_mod"))
+    if score_mod is not None:
+        programs.append(("score_mod", get_score_mod(score_mod).program, "score_mod"))
+    if sink is not None:  # checked as a sink first: its errors name sink= and a sink's rules
+        programs.append(("sink", get_score_mod(canonical_sink(sink)).program, "score_mod"))
     out = {}
     for name, program, kind in programs:
         clash = sorted({n.name for n in walk(program.ir) if isinstance(n, Input)} & RESERVED)

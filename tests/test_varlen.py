@@ -202,3 +202,17 @@ def test_torch_compile_takes_the_per_sequence_tiles_when_the_gpu_runs_them(monke
     finally:
         varlen._per_sequence_spec.cache_clear()
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("sink, match", [("sinks[", r"sink='sinks\[' is invalid: .*allowed: an expression over b, h"),
+                                         ("kv_idx * 1.0", r"sink='kv_idx \* 1.0' reads \['kv_idx'\]: a sink is one logit")])
+def test_a_bad_sink_is_named_as_a_sink(sink, match):
+    """attention_varlen checked a sink as a score modifier: its errors said score_mod= and a modifier's rules."""
+    import torch
+
+    import attngen
+
+    q = torch.randn(10, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        attngen.attention_varlen(q, q, q, cu, cu, sink=sink)
