@@ -403,8 +403,8 @@ def _spec_key(q, k, spec, mask, score_mod=None, sink=None, dropout_p=0.0, determ
         raise ValueError(f"q has dtype {str(q.dtype).removeprefix('torch.')}; allowed: float16, bfloat16")
     heads_q, heads_kv = q.shape[2], k.shape[2]
     if heads_kv < 1 or heads_q % heads_kv or not 1 <= heads_q // heads_kv <= MAX_GQA_RATIO:
-        raise ValueError(f"q has {heads_q} heads and k has {heads_kv}; allowed: heads_q a multiple of heads_kv, "
-                         f"at most {MAX_GQA_RATIO} times")
+        raise ValueError(f"q has {heads_q} heads and k has {heads_kv}; allowed: heads_kv >= 1 and heads_q a multiple "
+                         f"of it, 1 to {MAX_GQA_RATIO} times")
     # AttentionSpec.key()'s canonical JSON, spelled out (fields sorted, no spaces; deterministic and
     # dropout_p sort first). repr is json.dumps's spelling of a finite float, and dynamo traces it
     # (not the json encoder).

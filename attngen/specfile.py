@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -132,6 +133,10 @@ def parse(text: str, source: str) -> AttentionSpec:
 
 def load_spec(path: str | Path) -> AttentionSpec:
     """Load one spec from a YAML file (keys are AttentionSpec fields)."""
+    if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
+        from attngen.spec import type_article
+
+        raise SpecError(f"path is {type_article(path)}; allowed: a spec file's path (str or os.PathLike)", field=None)
     path = Path(path)
     try:
         with open(path, "rb") as f:

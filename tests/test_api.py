@@ -97,10 +97,11 @@ def test_specless_key_is_the_specs_canonical_key(d, dtype, hkv, ratio, mask):
 
 @pytest.mark.parametrize("q_shape, k_shape, kwargs, match", [
     ((1, 4, 2, 80), (1, 4, 2, 80), {}, r"q has head_dim 80 .*allowed: \(64, 96, 128, 256\)"),
-    ((1, 4, 3, 64), (1, 4, 2, 64), {}, "q has 3 heads and k has 2; allowed: heads_q a multiple"),
+    ((1, 4, 3, 64), (1, 4, 2, 64), {}, "q has 3 heads and k has 2; allowed: heads_kv >= 1 and heads_q a multiple of it, 1 to"),
     ((1, 4, 2, 64), (1, 4, 2, 64), {"mask": "sliding"}, "mask='sliding' is invalid: .*allowed: .*none, causal"),
     ((1, 4, 2, 64), (1, 4, 2, 64), {"mask": "q_idx.x"}, "mask='q_idx.x' is invalid: .*attribute"),
     ((4, 2, 64), (1, 4, 2, 64), {}, "q must have 4 dims"),
+    ((1, 4, 0, 64), (1, 4, 2, 64), {}, "q has 0 heads and k has 2; allowed: heads_kv >= 1 and heads_q a multiple of it, 1 to"),
     ((1, 4, 2, 64), (1, 4, 2, 64), {"mask": ["causal"]}, r"mask=\['causal'\] is invalid; allowed: a mask expression"),
     ((1, 4, 2, 64), (1, 4, 2, 64), {"score_mod": {"s": 1}}, r"score_mod=\{'s': 1\} is invalid; allowed:"),
     ((1, 4, 2, 64), (1, 4, 2, 64), {"sink": ["x"]}, r"sink=\['x'\] is invalid; allowed:"),
@@ -211,3 +212,10 @@ def test_arguments_of_the_wrong_kind_are_named_before_anything_reads_them():
                   page_table=torch.zeros(2, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="check=None is invalid; allowed: True, False"):
         append_kv(k, v, new, new, lens, check=None)
+
+
+@pytest.mark.parametrize("device", ["x", -1, 1.0, True])
+def test_compile_names_a_bad_device(device):
+    """A device that is no GPU index failed inside CuPy ("an integer is required")."""
+    with pytest.raises(ValueError, match=r"device=.* is invalid; allowed: None \(the current GPU\) or a GPU index"):
+        attngen.compile(AttentionSpec(head_dim=64), device=device)

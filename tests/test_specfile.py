@@ -314,3 +314,10 @@ def test_arch_only_difference_gives_different_names(tmp_path):
     a = load_spec(write(tmp_path, "head_dim: 64\narch: sm_80\n", "a.yaml"))
     b = load_spec(write(tmp_path, "head_dim: 64\narch: sm_89\n", "b.yaml"))
     assert a != b and a.name != b.name and a.name.endswith("_sm80") and b.name.endswith("_sm89")
+
+
+@pytest.mark.parametrize("path", [None, 5, b"spec.yaml", ["spec.yaml"]])
+def test_a_path_that_is_no_path_is_named(path):
+    """load_spec(None) and the like gave pathlib's TypeError, naming nothing."""
+    with pytest.raises(SpecError, match="path is .*; allowed: a spec file's path"):
+        load_spec(path)

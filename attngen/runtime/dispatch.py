@@ -128,6 +128,8 @@ def compile(spec: AttentionSpec, device: int | None = None, *, fault: str | None
     testing the fuzzer."""
     if not isinstance(spec, AttentionSpec):
         raise ValueError(f"spec must be an attngen.AttentionSpec, got {type(spec).__name__}")
+    if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+        raise ValueError(f"device={device!r} is invalid; allowed: None (the current GPU) or a GPU index >= 0")
     device = current_device() if device is None else device
     return kernel_for(families.plan_spec(spec, targets.device_target(device), fault=fault, operation="forward"), device)
 
