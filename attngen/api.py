@@ -363,9 +363,10 @@ def _eager(torch, q, k, v, spec, texts, softmax_scale, inputs=None, dropout_p=0.
     return prepared.run_torch(torch, q, k, v, torch_stream(torch, prepared.device), tensors, rng)
 
 
-def _spec_key(q, k, spec, mask, score_mod=None, sink=None, dropout_p=0.0, deterministic=False) -> str:
+def _spec_key(q, k, spec, mask, score_mod=None, sink=None, dropout_p=0.0, deterministic=False, k_name="k") -> str:
     """The canonical key of the spec a call runs: pure Python over tensor metadata, so torch.compile
-    traces it into constants. `deterministic`: the gradients' (attention()'s, resolved)."""
+    traces it into constants. `deterministic`: the gradients' (attention()'s, resolved); `k_name`:
+    what the caller calls k in its messages (decode: k_cache)."""
     from attngen import dropout
 
     reason = dropout.problem(dropout_p)
@@ -392,9 +393,11 @@ def _spec_key(q, k, spec, mask, score_mod=None, sink=None, dropout_p=0.0, determ
     # The score modifier's field, when it changes scores (its JSON includes the leading comma).
     score_json = "" if score_mod is None else _known_texts("score_mod", score_mod)[1]
     sink_json = "" if sink is None else _known_texts("sink", sink)[1]
-    for name, t in (("q", q), ("k", k)):
+    for name, t in (("q", q), (k_name, k)):
         if len(t.shape) != 4:
-            raise ValueError(f"{name} must have 4 dims (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
+            dims = "(batch, seq, heads, head_dim)" if name in ("q", "k") else \
+                "(num_pages, page_size, heads_kv, head_dim) or (batch, capacity, heads_kv, head_dim)"
+            raise ValueError(f"{name} must have 4 dims {dims}, got shape {tuple(t.shape)}")
     head_dim = q.shape[3]
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"q has head_dim {head_dim} (shape {tuple(q.shape)}); allowed: {HEAD_DIMS}")
@@ -403,7 +406,7 @@ def _spec_key(q, k, spec, mask, score_mod=None, sink=None, dropout_p=0.0, determ
         raise ValueError(f"q has dtype {str(q.dtype).removeprefix('torch.')}; allowed: float16, bfloat16")
     heads_q, heads_kv = q.shape[2], k.shape[2]
     if heads_kv < 1 or heads_q % heads_kv or not 1 <= heads_q // heads_kv <= MAX_GQA_RATIO:
-        raise ValueError(f"q has {heads_q} heads and k has {heads_kv}; allowed: heads_kv >= 1 and heads_q a multiple "
+        raise ValueError(f"q has {heads_q} heads and {k_name} has {heads_kv}; allowed: heads_kv >= 1 and heads_q a multiple "
                          f"of it, 1 to {MAX_GQA_RATIO} times")
     # AttentionSpec.key()'s canonical JSON, spelled out (fields sorted, no spaces; deterministic and
     # dropout_p sort first). repr is json.dumps's spelling of a finite float, and dynamo traces it

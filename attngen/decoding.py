@@ -49,7 +49,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, page_table=None, spec: Attenti
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens}
     api.check_call_args(return_lse=return_lse, inputs=inputs, **arrays,
                         **({} if page_table is None else {"page_table": page_table}))
-    key = api._spec_key(q, k_cache, spec, mask, score_mod, sink)
+    key = api._spec_key(q, k_cache, spec, mask, score_mod, sink, k_name="k_cache")
     if type(q).__module__.startswith("torch"):
         import torch
 

@@ -268,3 +268,16 @@ def test_append_kv_unchecked_refuses_a_write_that_does_not_fit(paged, lens, bad_
     assert torch.equal(k[~targets], before[0][~targets]) and torch.equal(v[~targets], before[1][~targets])
     with pytest.raises(ValueError, match="append_kv: sequence"):
         append_kv(k, v, k_new, v_new, torch.tensor(lens, dtype=torch.int32), page_table=table)
+
+
+def test_decode_errors_name_the_cache_as_k_cache():
+    """decode's shape errors came from attention's checks and said "k" and the forward's layout."""
+    import attngen
+
+    q = torch.randn(1, 1, 3, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 16, 2, 64, dtype=torch.bfloat16)
+    lens = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q has 3 heads and k_cache has 2; allowed"):
+        attngen.decode(q, k, k, lens)
+    with pytest.raises(ValueError, match=r"k_cache must have 4 dims \(num_pages, page_size, heads_kv, head_dim\) or"):
+        attngen.decode(q, k[0], k, lens)

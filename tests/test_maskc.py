@@ -707,7 +707,9 @@ def check_derivative(program, scores, q, k, q_len, kv_len, b, h):
     right = derivative.dense(scores + 1e-6, q, k, q_len, kv_len, b, h, inputs)
     smooth = torch.isclose(left, right, rtol=1e-4, atol=1e-6, equal_nan=True)
     near = [torch.isclose(got, other, rtol=1e-4, atol=1e-6, equal_nan=True) for other in (expected, left, right)]
-    between = (got >= torch.minimum(left, right) - 1e-6) & (got <= torch.maximum(left, right) + 1e-6)
+    # (the sides are sampled 1e-6 away: a side's slope may still move by ~|f''| x 1e-6 from its limit,
+    # min(score * score, score) at 0 has sides 1 and 2e-6 and the subgradients [0, 1])
+    between = (got >= torch.minimum(left, right) - 1e-4) & (got <= torch.maximum(left, right) + 1e-4)
     assert (smooth | near[0] | near[1] | near[2] | between).all(), (program.canonical, scores, got, expected, left, right)
     continuous = smooth & near[1]
     torch.testing.assert_close(got[continuous], expected[continuous], rtol=1e-7, atol=1e-9, equal_nan=True,
