@@ -30,6 +30,7 @@ import json
 import sys
 
 from attngen import masks, score_mods
+from attngen.errors import type_article
 from attngen.runtime.tensors import torch_stream
 from attngen.spec import HEAD_DIMS, MAX_GQA_RATIO, AttentionSpec
 
@@ -181,8 +182,6 @@ def check_call_args(*, return_lse=False, deterministic=None, inputs=None, **arra
     """ValueError naming a front door's argument of the wrong kind, before any of its attributes is
     read: every array a torch tensor or a CuPy array, all of one kind; inputs None or a dict of name
     -> tensor (or array) of that kind; return_lse a bool; deterministic None or a bool."""
-    from attngen.spec import type_article
-
     kinds = {}
     for name, t in arrays.items():
         kind = _array_kind(t)

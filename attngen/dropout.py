@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 from attngen.codegen.abi import Abi, Param
+from attngen.errors import type_article
 
 BITS = 8  # bits of each element's draw
 LEVELS = 1 << BITS
@@ -43,8 +44,6 @@ def keep_scale(p: float) -> float:
 def problem(value) -> str | None:
     """What is wrong with a spec's dropout_p (None when nothing is)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        from attngen.spec import type_article  # (attngen.spec imports this module)
-
         return f"dropout_p={value!r} is invalid ({type_article(value)}, must be a number); allowed: {ALLOWED}"
     if value == 0:
         return None

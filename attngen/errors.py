@@ -2,6 +2,26 @@
 
 from __future__ import annotations
 
+import reprlib
+
+# Values in messages: repr(), cut short for a huge or deeply nested value a spec file (or a generated
+# expression) may hold.
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong, _SHOW.maxlist, _SHOW.maxdict = 3, 200, 200, 200, 8, 8
+
+
+def show(value) -> str:
+    """repr(value) for error messages; long values are elided with '...'."""
+    return _SHOW.repr(value)
+
+
+def type_article(value) -> str:
+    """'a str', 'an int', 'None': what a value of the wrong type is, for messages."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
+
 
 class SpecError(ValueError):
     """An invalid spec field or spec file. `field` names the (first) offending field (None: the whole

@@ -27,6 +27,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from attngen.errors import show
+
 # The built-ins, for messages (docs/masks.md defines each in the language itself).
 BUILTINS = ("none", "causal", "sliding_window(left, right)", "chunked(size)", "prefix_lm(n)")
 ALLOWED = "a mask expression (docs/masks.md), e.g. " + ", ".join(BUILTINS)
@@ -202,7 +204,7 @@ def scan_bounds(classify: Callable[[int, int], str], Sk: int, block_n: int) -> t
 def get_mask(text: str) -> MaskLowering:
     """The lowering of a mask's text; ValueError naming mask= and what is allowed otherwise."""
     if not isinstance(text, str):  # before the cache: an unhashable value is a user mistake too
-        raise ValueError(f"mask={_show(text)} is invalid; allowed: {ALLOWED}")
+        raise ValueError(f"mask={show(text)} is invalid; allowed: {ALLOWED}")
     return _lower(text)
 
 
@@ -217,7 +219,7 @@ def _lower(text: str) -> MaskLowering:
         canonical = maskc.stored_text(text, "mask")
         program = maskc.compile_mask(canonical)  # every spelling lowers from the stored text: one kernel
     except maskc.ExprError as exc:
-        raise ValueError(f"mask={_show(text)} is invalid: {exc}; allowed: {ALLOWED}") from None
+        raise ValueError(f"mask={show(text)} is invalid: {exc}; allowed: {ALLOWED}") from None
     closed = closed_form(canonical, parse(canonical, "mask").builtin)
     # Runtime inputs are read from the kernel's argument struct p (attngen/runtime_inputs.py).
     return MaskLowering(canonical, program.slug, program.cuda_visible(input_ref),
@@ -277,10 +279,3 @@ def mask_problem(problem, per_sequence_tiles: bool = False) -> str | None:
 def canonical(text: str) -> str:
     """The canonical text of a mask (what AttentionSpec stores); ValueError as get_mask."""
     return get_mask(text).text
-
-
-def _show(value) -> str:
-    """The value as error messages show it: repr(), a long text elided (attngen.spec.show)."""
-    from attngen.spec import show  # (attngen.spec imports this module)
-
-    return show(value)

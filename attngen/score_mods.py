@@ -15,6 +15,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from attngen.errors import show
+
 BUILTINS = ("softcap(c)", "alibi")
 ALLOWED = ("a score modifier expression over score, b, h, q_idx, kv_idx, q_len, kv_len (docs/masks.md), e.g. "
            "softcap(30.0), or None")
@@ -37,7 +39,7 @@ class ScoreModLowering:
 def get_score_mod(text: str) -> ScoreModLowering:
     """The lowering of a score modifier's text; ValueError naming score_mod= and what is allowed."""
     if not isinstance(text, str):  # before the cache: an unhashable value is a user mistake too
-        raise ValueError(f"score_mod={_show(text)} is invalid; allowed: {ALLOWED}")
+        raise ValueError(f"score_mod={show(text)} is invalid; allowed: {ALLOWED}")
     return _lower(text)
 
 
@@ -50,7 +52,7 @@ def _lower(text: str) -> ScoreModLowering:
         stored = maskc.stored_text(text, "score_mod")
         program = maskc.compile_score_mod(stored)  # every spelling lowers from the stored text: one kernel
     except maskc.ExprError as exc:
-        raise ValueError(f"score_mod={_show(text)} is invalid: {exc}; allowed: {ALLOWED}") from None
+        raise ValueError(f"score_mod={show(text)} is invalid: {exc}; allowed: {ALLOWED}") from None
     # Runtime inputs are read from the kernel's argument struct p (attngen/runtime_inputs.py).
     return ScoreModLowering(stored, program.slug, program.cuda_expr(input_ref), maskc.cuda_preamble(), program)
 
@@ -67,14 +69,14 @@ def canonical_sink(text: str) -> str:
     from attngen.maskc.ir import Var, walk
 
     if not isinstance(text, str):
-        raise ValueError(f"sink={_show(text)} is invalid; allowed: {SINK_ALLOWED}")
+        raise ValueError(f"sink={show(text)} is invalid; allowed: {SINK_ALLOWED}")
     try:
         program = maskc.compile_score_mod(text)
     except maskc.ExprError as exc:
-        raise ValueError(f"sink={_show(text)} is invalid: {exc}; allowed: {SINK_ALLOWED}") from None
+        raise ValueError(f"sink={show(text)} is invalid: {exc}; allowed: {SINK_ALLOWED}") from None
     used = {node.name for node in walk(program.ir) if isinstance(node, Var)} - SINK_VARIABLES
     if used:
-        raise ValueError(f"sink={_show(text)} reads {sorted(used)}: a sink is one logit per row; allowed: {SINK_ALLOWED}")
+        raise ValueError(f"sink={show(text)} reads {sorted(used)}: a sink is one logit per row; allowed: {SINK_ALLOWED}")
     return maskc.stored_text(text, "score_mod")
 
 
@@ -84,10 +86,3 @@ def canonical(text: str | None) -> str | None:
         return None
     lowering = get_score_mod(text)
     return None if lowering.program.is_identity else lowering.text
-
-
-def _show(value) -> str:
-    """The value as error messages show it: repr(), a long text elided (attngen.spec.show)."""
-    from attngen.spec import show  # (attngen.spec imports this module)
-
-    return show(value)

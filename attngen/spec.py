@@ -18,14 +18,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import reprlib
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from attngen.dtypes import DTYPES
-from attngen.errors import SpecError
+from attngen.errors import SpecError, show, type_article
 from attngen import masks, score_mods
 
 HEAD_DIMS = (64, 96, 128, 256)
@@ -41,16 +40,6 @@ LEGACY_TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
 def _allowed(values) -> str:
     return "{" + ", ".join(str(v) for v in values) + "}"
-
-
-# Values in messages: repr(), cut short for a huge or deeply nested value a spec file may hold.
-_SHOW = reprlib.Repr()
-_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong, _SHOW.maxlist, _SHOW.maxdict = 3, 200, 200, 200, 8, 8
-
-
-def show(value) -> str:
-    """repr(value) for error messages; long values are elided with '...'."""
-    return _SHOW.repr(value)
 
 
 def _is_int(value) -> bool:
@@ -69,13 +58,6 @@ def _type_hint(value, want: str) -> str:
     """' (a str, must be an integer)' for a value of the wrong type: the usual YAML slip ("128")."""
     return f" ({type_article(value)}, must be {want})"
 
-
-def type_article(value) -> str:
-    """'a str', 'an int', 'None': what a value of the wrong type is, for messages."""
-    if value is None:
-        return "None"
-    name = type(value).__name__
-    return f"{'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
 
 
 @dataclass(frozen=True)

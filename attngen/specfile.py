@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from attngen.errors import SpecError
+from attngen.errors import SpecError, type_article
 from attngen.spec import AttentionSpec, spec_error
 
 MAX_BYTES = 1 << 20
@@ -134,8 +134,6 @@ def parse(text: str, source: str) -> AttentionSpec:
 def load_spec(path: str | Path) -> AttentionSpec:
     """Load one spec from a YAML file (keys are AttentionSpec fields)."""
     if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
-        from attngen.spec import type_article
-
         raise SpecError(f"path is {type_article(path)}; allowed: a spec file's path (str or os.PathLike)", field=None)
     path = Path(path)
     try:

@@ -1415,7 +1415,6 @@ struct Consumer {
         }
         wait_v(g + n - 1);
         release_v(g + n - 1);
-        pending = false;
         if constexpr (!CARRY) turns.pass();  // the turn of the last P V, which overlapped_tile flushes at once
         stored |= 1 << qb;  // nothing staged: the buffer goes back once earlier stores have read theirs
         release_q();

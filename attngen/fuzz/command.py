@@ -246,7 +246,6 @@ def _families(pool, target) -> str:
     """How many of the pool's specs run as each family on the target: "fwd_sm80: 12"."""
     from collections import Counter
 
-    from attngen import families
     from attngen.families import plan_spec
 
     counts = Counter(plan_spec(spec, target).family for spec in pool)
