@@ -34,6 +34,10 @@ CASES = [
     dict(head_dim=128, mask="causal", config={"schedule": "dynamic"}),
     dict(head_dim=128, mask="causal", config={"overlap": False}),
     dict(head_dim=64, mask="none", config={"consumers": 3, "schedule": "pairs"}),
+    *(dict(head_dim=d, mask="none", config={"cluster": True, "schedule": "pairs"}) for d in (96, 128, 256)),
+    dict(head_dim=128, mask="none", score_mod="softcap(50)", sink="sink",
+         config={"cluster": True, "schedule": "pairs"}),
+    dict(head_dim=128, mask="none", config={"cluster": True, "overlap": False}),
 ]
 
 

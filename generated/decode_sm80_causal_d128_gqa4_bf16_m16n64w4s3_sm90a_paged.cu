@@ -129,6 +129,16 @@ __device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, u32 bar,
         "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
         ::"r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
 }
+// The same tile into shared memory at `dst` of every CTA in `cta_mask` of the cluster, each copy
+// completing bytes on the mbarrier at `bar`'s offset in that CTA: one L2 read for all of them.
+__device__ __forceinline__ void tma_load_multicast(u32 dst, const TensorMap* map, u32 bar, int c0, int c1, int c2, int c3,
+                                                   u16 cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n"
+        ::"r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "h"(cta_mask)
+        : "memory");
+}
 // Rows past the tensor's end are not written: the map's bounds clip the store.
 __device__ __forceinline__ void tma_store(const TensorMap* map, u32 src, int c0, int c1, int c2, int c3) {
     asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
@@ -139,6 +149,25 @@ __device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk
 __device__ __forceinline__ void tma_store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 // Ordinary shared-memory stores become visible to the async proxy (TMA, wgmma) after this.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// -- clusters: CTAs of one cluster run at once on one GPC and reach each other's shared memory --
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// One arrival on the mbarrier at `bar`'s offset in CTA `cta` of the cluster, with the instruction's
+// default release at CTA scope, as CUTLASS's cluster pipelines arrive: an explicit .release.cluster
+// made fwd_sm90's clusters 1.8x slower (docs/perf-notes.md "Clusters of two CTAs").
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 cta) {
+    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+                 "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(cta) : "memory");
+}
+// Every thread of every CTA of the cluster: accesses before it (barrier inits, remote arrivals)
+// happen before any thread of the cluster goes past it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
 
 // -- programmatic dependent launch: a kernel launched `early` (attngen/runtime/launch.py) starts
 // while the one before it finishes, and waits here for that one's writes. No-ops before sm_90 and

@@ -129,6 +129,16 @@ __device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, u32 bar,
         "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
         ::"r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
 }
+// The same tile into shared memory at `dst` of every CTA in `cta_mask` of the cluster, each copy
+// completing bytes on the mbarrier at `bar`'s offset in that CTA: one L2 read for all of them.
+__device__ __forceinline__ void tma_load_multicast(u32 dst, const TensorMap* map, u32 bar, int c0, int c1, int c2, int c3,
+                                                   u16 cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n"
+        ::"r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "h"(cta_mask)
+        : "memory");
+}
 // Rows past the tensor's end are not written: the map's bounds clip the store.
 __device__ __forceinline__ void tma_store(const TensorMap* map, u32 src, int c0, int c1, int c2, int c3) {
     asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
@@ -139,6 +149,25 @@ __device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk
 __device__ __forceinline__ void tma_store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 // Ordinary shared-memory stores become visible to the async proxy (TMA, wgmma) after this.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// -- clusters: CTAs of one cluster run at once on one GPC and reach each other's shared memory --
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// One arrival on the mbarrier at `bar`'s offset in CTA `cta` of the cluster, with the instruction's
+// default release at CTA scope, as CUTLASS's cluster pipelines arrive: an explicit .release.cluster
+// made fwd_sm90's clusters 1.8x slower (docs/perf-notes.md "Clusters of two CTAs").
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 cta) {
+    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+                 "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(cta) : "memory");
+}
+// Every thread of every CTA of the cluster: accesses before it (barrier inits, remote arrivals)
+// happen before any thread of the cluster goes past it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
 
 // -- programmatic dependent launch: a kernel launched `early` (attngen/runtime/launch.py) starts
 // while the one before it finishes, and waits here for that one's writes. No-ops before sm_90 and
@@ -205,6 +234,8 @@ constexpr bool LAZY_RESCALE = false;
 // The tile schedule (dynamic): one CTA per tile, or one per SM dealt pairs of tiles / taking tiles from a counter.
 constexpr bool PAIRS = false;
 constexpr bool DYNAMIC = true;
+// CTAs per cluster: 2 runs each pair's two tiles side by side, their K/V loads shared by TMA multicast.
+constexpr int CLUSTER = 1;
 // Packed sequences (varlen): tiles per sequence from a list built before the kernel (varlen_tiles.cuh).
 constexpr bool VARLEN = false;
 // Registers move from the producer warpgroup (TMA needs few) to the consumers (S, P and O).
@@ -702,8 +733,12 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[64], const u32 (&a)[4], u64 
 // consumer warpgroups take turns issuing GEMMs, so one's softmax runs under the other's. A warpgroup
 // whose rows all lie past the sequence's last skips the tile, keeping step (idle_tile). Key blocks
 // the mask makes empty are never loaded; blocks it makes full are never masked per element.
+// CLUSTER (2, PAIRS without a mask only): the two CTAs of a cluster run the two tiles of a pair
+// side by side, on the same head and key blocks, and each loads half of every K/V block (every
+// other 64-column chunk) into both CTAs' rings by TMA multicast: L2 serves each block once for
+// two tiles. A stage is refilled once both CTAs' consumers have released it.
 // Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
-// CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PAIRS, DYNAMIC, VARLEN, LAZY_RESCALE,
+// CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PAIRS, DYNAMIC, VARLEN, CLUSTER, LAZY_RESCALE,
 // SET_MAX_REGS, PRODUCER_REGS, CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
 // namespace score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2),
 // and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS); with ATTNGEN_DROPOUT, namespace dropout
@@ -734,6 +769,8 @@ constexpr int STORE_BARRIER = 1 + CONSUMERS;     // named barriers after those: 
 
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "wgmma shapes");
 static_assert(Q_CHUNK % ALIGN == 0 && KV_CHUNK % ALIGN == 0, "every tile starts on a swizzle-atom boundary");
+static_assert(CLUSTER == 1 || (CLUSTER == 2 && PAIRS && !VARLEN && CHUNKS % 2 == 0),
+              "a cluster of two CTAs: pairs of tiles, the K/V chunks split evenly between them");
 
 
 // Tile t of the order. grid and PAIRS: (batch, head) pairs one after another (the query heads of
@@ -845,6 +882,12 @@ __device__ __forceinline__ Tile tile_of(const Params& p, int t) {
 // blockIdx.x + u * gridDim.x. (DYNAMIC: only the first tile is blockIdx.x; the counter hands out
 // the rest from gridDim.x on.)
 __device__ __forceinline__ int tile_index(int j, int tiles) {
+    // CLUSTER: round j of the cluster's two CTAs (consecutive ranks) is pair j * gridDim.x / 2 +
+    // cluster, a tile each; tiles come an even count per head, so a pair never straddles heads.
+    if (CLUSTER > 1) {
+        const int t = j * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x);
+        return t < tiles ? t : 0x7fffffff;
+    }
     if (PAIRS && static_cast<int>(gridDim.x) < tiles)
         return 2 * ((j >> 1) * static_cast<int>(gridDim.x) + blockIdx.x) + (j & 1);
     return j == 0 ? static_cast<int>(blockIdx.x) : 0x7fffffff;
@@ -896,8 +939,11 @@ struct Pipeline {
 };
 
 __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
-    const int m0 = tile.m_block * BLOCK_M, m1 = min(m0 + BLOCK_M, seq_q(p, tile));
-    if (m0 >= seq_q(p, tile)) return {0, 0, 0, 0, nullptr};  // a phantom block past the last row
+    // A phantom block past the last row has no key blocks; under CLUSTER its CTA still loads its half
+    // of the pair's blocks (its consumers idle through them): those of the head's last block.
+    const int m0 = CLUSTER > 1 ? min(tile.m_block, p.m_blocks - 1) * BLOCK_M : tile.m_block * BLOCK_M;
+    const int m1 = min(m0 + BLOCK_M, seq_q(p, tile));
+    if (m0 >= seq_q(p, tile)) return {0, 0, 0, 0, nullptr};
     const mask::Bounds mb = mask::bounds(m0, m1, seq_q(p, tile), seq_k(p, tile), tile.batch, tile.head, p);
     if (mask::LISTED && mb.kv_begin < 0)  // {-1, count, 0, 0}: holes in the span, walk the list
         return {0, mb.kv_end, 0, seq_k(p, tile), mask::key_blocks(m0, p.Sq, p.Sk, tile.batch, tile.head, p)};
@@ -921,9 +967,10 @@ __device__ __forceinline__ int grid_size() {
     return static_cast<int>(n);
 }
 
-// -- producer: one thread issues every load, tile after tile (DYNAMIC: its whole warp runs the loop,
-// and lane 0 issues: warp-uniform values stay in uniform registers, where the producer's 24 or 32
-// registers a thread cannot hold them all) -------------------------------------------------
+// -- producer: one thread issues every load, tile after tile (DYNAMIC and CLUSTER: its whole warp runs
+// the loop, and lane 0 issues: warp-uniform values stay in uniform registers, where the producer's 24
+// or 32 registers a thread cannot hold them all) -------------------------------------------------
+constexpr bool PRODUCER_WARP = DYNAMIC || CLUSTER > 1;
 __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ, u32 sK, u32 sV, int tiles) {
     const bool leader = threadIdx.x == 0;
     if (leader) {
@@ -945,6 +992,19 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
         trace(TRACE_PRODUCER, j, Q_ISSUED);
     };
     auto q_free = [&](int j) { return smem_u32(&pipe.q_empty[j % Q_BUFFERS]); };
+    // One K or V block into a stage: every chunk, or under CLUSTER this CTA's half of them into both
+    // CTAs (each CTA's barrier expects the whole stage's bytes, half of them from the other CTA).
+    // (The rank is read where it is used, as grid_size: not held in one of the producer's registers.)
+    auto load_kv = [&](u32 dst, const TensorMap* map, u32 full, int key, int kv_head, int batch) {
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            if constexpr (CLUSTER > 1) {
+                if (c % CLUSTER == static_cast<int>(cluster_rank())) tma_load_multicast(dst + c * KV_CHUNK, map, full, c * 64, key, kv_head, batch, 0x3);
+            } else {
+                tma_load(dst + c * KV_CHUNK, map, full, c * 64, key, kv_head, batch);
+            }
+        }
+    };
     auto q_free_parity = [](int j) { return ((j / Q_BUFFERS) & 1) ^ 1; };
     int g = 0;  // K/V blocks loaded so far: the ring's position runs on across tiles
     int t = tile_index(0, tiles);
@@ -986,7 +1046,7 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
         auto try_next_q = [&]() {
             if (Q_BUFFERS < 2 || next_q || next >= tiles) return;
             bool free = leader && mbar_test(q_free(j + 1), q_free_parity(j + 1));
-            if constexpr (DYNAMIC) free = __shfl_sync(0xffffffffu, free, 0);  // the warp agrees
+            if constexpr (PRODUCER_WARP) free = __shfl_sync(0xffffffffu, free, 0);  // the warp agrees
             if (!free) return;
             load_q(tile_of(p, next), j + 1);  // worked out again at the next round (no Tile kept: stack)
             next_q = true;
@@ -1002,20 +1062,14 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
             if (leader) {
                 const u32 k_full = smem_u32(&pipe.k_full[stage]);
                 mbar_expect_tx(k_full, KV_BYTES);
-#pragma unroll
-                for (int c = 0; c < CHUNKS; ++c)
-                    tma_load(sK + stage * KV_BYTES + c * KV_CHUNK, &p.tmap_k, k_full, c * 64, first_key(tile) + n0,
-                             kv_head, tile.batch);
+                load_kv(sK + stage * KV_BYTES, &p.tmap_k, k_full, first_key(tile) + n0, kv_head, tile.batch);
                 if (it == 0) trace(TRACE_PRODUCER, j, K0_ISSUED);
             }
             mbar_wait(smem_u32(&pipe.v_empty[stage]), phase ^ 1);
             if (leader) {
                 const u32 v_full = smem_u32(&pipe.v_full[stage]);
                 mbar_expect_tx(v_full, KV_BYTES);
-#pragma unroll
-                for (int c = 0; c < CHUNKS; ++c)
-                    tma_load(sV + stage * KV_BYTES + c * KV_CHUNK, &p.tmap_v, v_full, c * 64, first_key(tile) + n0,
-                             kv_head, tile.batch);
+                load_kv(sV + stage * KV_BYTES, &p.tmap_v, v_full, first_key(tile) + n0, kv_head, tile.batch);
                 if (it == 0) trace(TRACE_PRODUCER, j, V0_ISSUED);
             }
             try_next_q();
@@ -1269,12 +1323,18 @@ struct Consumer {
         mbar_wait(smem_u32(&pipe.v_full[pos % NUM_STAGES]), (pos / NUM_STAGES) & 1);
     }
     // One thread per warpgroup releases a stage: the wgmma that read it has completed for all four warps.
-    __device__ __forceinline__ void release_k(int pos) {
-        if (tid == 0) mbar_arrive(smem_u32(&pipe.k_empty[pos % NUM_STAGES]));
+    // CLUSTER: to both CTAs' producers, each of which refills half of it in both.
+    __device__ __forceinline__ void release(u32 empty) {
+        if (tid != 0) return;
+        if constexpr (CLUSTER > 1) {
+#pragma unroll
+            for (u32 cta = 0; cta < CLUSTER; ++cta) mbar_arrive_cluster(empty, cta);
+        } else {
+            mbar_arrive(empty);
+        }
     }
-    __device__ __forceinline__ void release_v(int pos) {
-        if (tid == 0) mbar_arrive(smem_u32(&pipe.v_empty[pos % NUM_STAGES]));
-    }
+    __device__ __forceinline__ void release_k(int pos) { release(smem_u32(&pipe.k_empty[pos % NUM_STAGES])); }
+    __device__ __forceinline__ void release_v(int pos) { release(smem_u32(&pipe.v_empty[pos % NUM_STAGES])); }
     // This thread's rows of a tile: row0 and row0 + 8.
     __device__ __forceinline__ int thread_row0(const Tile& tile) const {
         return tile.m_block * BLOCK_M + wg * 64 + warp * 16 + lane / 4;
@@ -1586,22 +1646,26 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
         for (int s = 0; s < NUM_STAGES; ++s) {
             mbar_init(smem_u32(&pipe.k_full[s]), 1);
             mbar_init(smem_u32(&pipe.v_full[s]), 1);
-            mbar_init(smem_u32(&pipe.k_empty[s]), CONSUMERS);
-            mbar_init(smem_u32(&pipe.v_empty[s]), CONSUMERS);
+            mbar_init(smem_u32(&pipe.k_empty[s]), CONSUMERS * CLUSTER);
+            mbar_init(smem_u32(&pipe.v_empty[s]), CONSUMERS * CLUSTER);
         }
         mbar_init(smem_u32(&pipe.tile_full), 1);
         mbar_init(smem_u32(&pipe.tile_empty), CONSUMERS * WG_THREADS);
         mbar_init_fence();
     }
-    __syncthreads();
+    // Under CLUSTER the other CTA's multicasts and releases reach these barriers: both inits first.
+    if constexpr (CLUSTER > 1) cluster_sync();
+    else __syncthreads();
     const int wg = threadIdx.x / WG_THREADS;
     if (wg == 0) {
         if constexpr (SET_MAX_REGS) regs_dealloc<PRODUCER_REGS>();
-        if (DYNAMIC ? threadIdx.x < 32 : threadIdx.x == 0) produce(p, pipe, sQ, sK, sV, tiles);
+        if (PRODUCER_WARP ? threadIdx.x < 32 : threadIdx.x == 0) produce(p, pipe, sQ, sK, sV, tiles);
     } else {
         if constexpr (SET_MAX_REGS) regs_alloc<CONSUMER_REGS>();
         Consumer(p, pipe, sQ, sK, sV, wg - 1).run(tiles);
     }
+    // The other CTA's consumers release stages here until they finish: this CTA's barriers outlive them.
+    if constexpr (CLUSTER > 1) cluster_sync();
 }
 
 }  // namespace fa90

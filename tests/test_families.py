@@ -198,6 +198,44 @@ def test_sm90_dynamic_schedule_launches(monkeypatch):
     assert family.launches(plan, _sm90_call(128, 1, 128, 2, 2))[-1].grid == (2, 1, 1)  # fewer tiles than SMs
 
 
+def test_sm90_clusters_of_two_ctas_where_a_pair_shares_its_key_blocks(monkeypatch):
+    """Config letter c: a pair's two tiles on a cluster of two CTAs sharing each K/V load. Only the pairs
+    schedule without a mask (score modifiers and sinks change no key block) at head dims of whole
+    128-column chunks; anything else is refused naming the reason, and the tuner never draws it."""
+    from attngen.families.fwd_sm90 import family as sm90
+
+    config = sm90.Sm90Config.from_label("m128n160s2oprc")
+    assert config.cluster and config.schedule == "pairs" and config.label() == "m128n160s2oprc"
+    assert not sm90.Sm90Config.from_label("m128n160s2opr").cluster
+    for kw, match in ((dict(head_dim=128, mask="causal"), "mask 'causal'"),
+                      (dict(head_dim=64), "head_dim 64 is one 64-column chunk"),
+                      (dict(head_dim=128, mask="causal", varlen=True), "packed sequences")):
+        with pytest.raises(SpecError, match=match):
+            plan_spec(AttentionSpec(**kw, family="fwd_sm90", config={"schedule": "pairs", "cluster": True}), H100)
+    with pytest.raises(SpecError, match="cluster=True is invalid with schedule='dynamic'; allowed: cluster with "
+                                        "schedule='pairs'"):
+        plan_spec(AttentionSpec(head_dim=128, family="fwd_sm90", config={"schedule": "dynamic", "cluster": True}), H100)
+    # Pinned alone, cluster takes the pairs schedule (an expression's default is the dynamic one).
+    alone = plan_spec(AttentionSpec(head_dim=128, score_mod="softcap(30)", family="fwd_sm90", config={"cluster": True}),
+                      H100)
+    assert alone.cluster and alone.schedule == "pairs"
+    family = get_family("fwd_sm90")
+    for kw, allowed in ((dict(head_dim=128), True), (dict(head_dim=128, score_mod="softcap(30)"), True),
+                        (dict(head_dim=128, mask="causal"), False), (dict(head_dim=64), False)):
+        clustered = [c for c in family.configs(AttentionSpec(**kw).problem, H100) if c.cluster]
+        assert bool(clustered) == allowed and all(c.schedule == "pairs" for c in clustered)
+    plan = plan_spec(AttentionSpec(head_dim=128, family="fwd_sm90", config=config.to_dict()), H100)
+    source = family.render(plan)
+    assert "__cluster_dims__(2, 1, 1)" in source and "constexpr int CLUSTER = 2;" in source
+    assert "__cluster_dims__" not in family.render(plan_spec(AttentionSpec(head_dim=128, family="fwd_sm90"), H100))
+    # One tile per CTA and round: an even grid, all the SMs' worth (less one of an odd count) or every tile.
+    monkeypatch.setattr(sm90.tma, "encode", lambda *a, **k: bytes(128))  # no driver on the CPU
+    for sms, B, S, H, grid in ((132, 1, 16384, 16, 132), (131, 1, 16384, 16, 130), (132, 1, 300, 2, 8)):
+        plan = plan_spec(AttentionSpec(head_dim=128, family="fwd_sm90", config=config.to_dict()),
+                         dataclasses.replace(H100, sms=sms))
+        assert family.launches(plan, _sm90_call(128, B, S, H, H))[-1].grid == (grid, 1, 1)
+
+
 CUOBJDUMP = nvcc.find_cuobjdump()
 
 
@@ -221,6 +259,26 @@ def test_sm90_binary_is_built_of_wgmma_and_tma(tmp_path, d, mask, gqa):
     for instruction in ("HGMMA.64x", "UTMALDG.4D", "UTMASTG.4D", "USETMAXREG", "SYNCS.ARRIVE.TRANS64"):
         assert instruction in sass, f"{plan.name}: no {instruction} in its SASS"
     assert "LDL" not in sass and "STL" not in sass, "local memory traffic in the Hopper kernel"
+    assert ("UTMALDG.4D.MULTICAST" in sass) == plan.cluster
+
+
+@pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
+@pytest.mark.parametrize("d", [96, 128, 256])
+def test_sm90_cluster_binary_multicasts_without_spills(tmp_path, d):
+    """The cluster configs (each CTA's half of a K/V block multicast to both): 0 spills, the producer's
+    whole warp issuing (one thread of it spilled the multicast's operands), and the multicast loads."""
+    config = {"schedule": "pairs", "cluster": True}
+    plan = plan_spec(AttentionSpec(head_dim=d, mask="none", family="fwd_sm90", config=config), H100)
+    cubin = tmp_path / "k.cubin"
+    report = nvcc.check_plan(plan, keep_cubin=cubin)
+    assert report.spill_bytes == 0 and report.stack_frame_bytes == 0, report.log
+    if CUOBJDUMP is None:
+        pytest.skip("cuobjdump not on PATH: the SASS is not checked here (CI installs it)")
+    sass = nvcc.sass(cubin)
+    assert "UTMALDG.4D.MULTICAST" in sass and "HGMMA.64x" in sass and "STL" not in sass
+    # A GPU-wide fence only in the two cluster barriers (start, exit): the stages' remote releases at
+    # cluster scope put one before every arrival, and the kernel ran 1.8x slower.
+    assert sass.count("MEMBAR.ALL.GPU") <= 2, f"{plan.name}: GPU-wide fences beyond the cluster barriers"
 
 
 def _steady_loop(sass_text: str) -> list[str]:

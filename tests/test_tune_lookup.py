@@ -296,3 +296,23 @@ def test_the_stamp_follows_writes_the_file_and_the_environment(db, tmp_path, mon
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "elsewhere.sqlite3"))
     assert lookup.stamp() != now  # the path is read from the environment on every call
     hash(lookup.stamp())
+
+
+def test_an_entry_tuned_before_a_config_field_was_added_keeps_its_kernel(db, monkeypatch):
+    """fwd_sm90's `cluster` came after databases held fwd_sm90 entries: an entry without it still answers,
+    as the kernel it timed (no clusters), instead of being ignored as another family's config."""
+    import json
+
+    from attngen.families.fwd_sm90.family import FAMILY as sm90
+
+    monkeypatch.setattr(families, "FAMILIES", {"fwd_sm90": sm90, "fwd_sm80": SM80_FAMILY})
+    spec = AttentionSpec(head_dim=128)
+    old = {"block_n": 128, "consumers": 2, "num_stages": 2, "overlap": True, "pingpong": True, "schedule": "pairs"}
+    store(db, spec=spec, config=old, family="fwd_sm90", searched=("fwd_sm80", "fwd_sm90"))
+    with sqlite3.connect(db.path) as conn:  # as a database written before the field existed holds it
+        conn.execute("UPDATE tuned SET config = ?", (json.dumps(old, sort_keys=True, separators=(",", ":")),))
+    lookup.clear_memo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "ignoring entry" warning
+        family, config = call(spec)
+    assert family == "fwd_sm90" and config == {**old, "cluster": False}

@@ -346,12 +346,19 @@ class KernelFamily(ABC):
     description: ClassVar[str]
     folder: ClassVar[Path]  # templates and headers
     config_fields: ClassVar[dict[str, tuple]]  # field -> allowed values (in the tuner's order)
+    # Fields added after tuning databases were written, with the value that builds the kernel an entry
+    # without them timed: such an entry stays valid (attngen/tune) rather than being ignored.
+    config_field_defaults: ClassVar[dict[str, Any]] = {}
 
     def __repr__(self) -> str:
         return f"<kernel family {self.name}>"
 
     @abstractmethod
     def supports(self, problem: Problem, target: Target) -> str | None: ...
+
+    def with_added_fields(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """A stored config with the fields added since it was written (config_field_defaults) filled in."""
+        return {**self.config_field_defaults, **config}
 
     def check_config(self, config: Mapping[str, Any]) -> list[str]:
         """What is wrong with a (partial) config, as messages naming field, value and what is allowed."""

@@ -492,7 +492,7 @@ def _checked_record(row: Mapping[str, Any], where: str) -> dict:
     except ValueError as exc:
         raise TuningDBError(f"{where}: {exc}") from None
     check("family", spec.family in (None, family.name), f"{spec.family!r}, the family its spec key pins")
-    config = dict(row["config"])
+    config = family.with_added_fields(row["config"])
     problems = family.check_config(config)
     if problems:
         raise TuningDBError(f"{where}: {problems[0]}")

@@ -164,11 +164,12 @@ def _usable(spec: AttentionSpec, entry, target: Target, path: str) -> tuple[str,
         reason = family.supports(problem, target)
         if reason is not None:
             raise SpecError(f"family {family.name} cannot run it on {target.name}: {reason}")
-        problems = family.check_config(entry.config)
-        missing = [f for f in family.config_fields if f not in entry.config]
+        stored = family.with_added_fields(entry.config)
+        problems = family.check_config(stored)
+        missing = [f for f in family.config_fields if f not in stored]
         if problems or missing:  # an older or newer family's config: not what this one would time
             raise SpecError(problems[0] if problems else f"its config lacks {', '.join(missing)}")
-        config = family.resolve_config(problem, target, entry.config)
+        config = family.resolve_config(problem, target, stored)
         family.plan(problem, target, config)  # a config today's family cannot build here is no answer
     except (ValueError, SpecError) as exc:
         _warn_once(path, "invalid", f"ignoring {where}: {exc}; using the default configs")

@@ -74,6 +74,21 @@ Q_BUFFERS_MAX = 3
 STATIC_SMEM_BYTES = 1024
 
 
+def cluster_reason(config: "Sm90Config", problem: Problem) -> str | None:
+    """Why `config` cannot run `problem` on a cluster of two CTAs, or None. The two tiles of a pair share
+    every key block only without a mask (a score modifier or sink changes no block), and each CTA loads
+    every other 64-column chunk of a block, so the chunks must split evenly (head dims 96, 128, 256)."""
+    if config.schedule != "pairs":
+        return f"schedule={config.schedule}; allowed: schedule=pairs (the cluster runs a pair's two tiles)"
+    if problem.mask != "none" or problem.varlen:
+        what = "packed sequences (varlen)" if problem.varlen else f"mask {problem.mask!r}"
+        return f"{what}: the two tiles of a pair must see the same key blocks; allowed: mask none"
+    if -(-problem.head_dim // 64) % 2:
+        return (f"head_dim {problem.head_dim} is one 64-column chunk, which two CTAs cannot split; allowed: "
+                "head dims of 2 or 4 chunks (96, 128, 256)")
+    return None
+
+
 def lazy_rescale(config: "Sm90Config", head_dim: int) -> bool:
     """Whether a row's softmax reference moves only in steps of 2^8, O rescaled only then (LAZY_RESCALE).
     Measured at a locked clock on the H100 (docs/perf-notes.md "Lazy rescaling"): +4-5% at head dim 64 with
@@ -82,7 +97,7 @@ def lazy_rescale(config: "Sm90Config", head_dim: int) -> bool:
     return config.consumers == 3 and head_dim == 64
 
 
-_LABEL = re.compile(r"m(\d+)n(\d+)s(\d+)(o?)(p?)([rd]?)")
+_LABEL = re.compile(r"m(\d+)n(\d+)s(\d+)(o?)(p?)([rd]?)(c?)")
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,9 @@ class Sm90Config(Config):
     overlap: bool  # the softmax of block j runs while S of block j+1 and P V of block j-1 run
     pingpong: bool  # consumer warpgroups take turns issuing GEMMs
     schedule: str  # grid | pairs | dynamic (SCHEDULES); persistent ones overlap a tile's epilogue with the next's loads
+    # The two tiles of each pair on a cluster of two CTAs sharing every K/V load by TMA multicast (label
+    # letter c): pairs without a mask, head dims of whole 128-column chunks (cluster_reason).
+    cluster: bool = False
 
     @property
     def block_m(self) -> int:
@@ -100,7 +118,7 @@ class Sm90Config(Config):
 
     def label(self) -> str:
         return (f"m{self.block_m}n{self.block_n}s{self.num_stages}" + ("o" if self.overlap else "")
-                + ("p" if self.pingpong else "") + SCHEDULES[self.schedule])
+                + ("p" if self.pingpong else "") + SCHEDULES[self.schedule] + ("c" if self.cluster else ""))
 
     @classmethod
     def from_label(cls, label: str) -> "Sm90Config":
@@ -109,7 +127,7 @@ class Sm90Config(Config):
             raise ValueError(f"{label!r} is not a fwd_sm90 config label such as m128n128s2opr")
         schedule = {letter: name for name, letter in SCHEDULES.items()}[match.group(6)]
         return cls(int(match.group(2)), int(match.group(1)) // 64, int(match.group(3)), bool(match.group(4)),
-                   bool(match.group(5)), schedule)
+                   bool(match.group(5)), schedule, bool(match.group(7)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +139,7 @@ class Sm90Plan(ForwardPlan):
     overlap: bool
     pingpong: bool
     schedule: str
+    cluster: bool  # pairs of tiles on clusters of two CTAs sharing K/V loads (Sm90Config.cluster)
     threads: int
     smem_bytes: int
     producer_regs: int | None
@@ -247,7 +266,9 @@ class Sm90Forward(KernelFamily):
     description = "Hopper forward: wgmma, TMA ring, producer/consumer warpgroups (sm_90a only)"
     folder = FOLDER
     config_fields = {"block_n": BLOCK_NS, "consumers": CONSUMERS, "num_stages": NUM_STAGES,
-                     "overlap": (True, False), "pingpong": (True, False), "schedule": tuple(SCHEDULES)}
+                     "overlap": (True, False), "pingpong": (True, False), "schedule": tuple(SCHEDULES),
+                     "cluster": (False, True)}
+    config_field_defaults = {"cluster": False}  # added 2026-11-27: entries tuned before ran without clusters
 
     def supports(self, problem: Problem, target: Target) -> str | None:
         if target.cc != 90:
@@ -261,13 +282,17 @@ class Sm90Forward(KernelFamily):
         if not problems and config.get("pingpong") and config.get("consumers") == 1:
             problems.append("config.pingpong=True is invalid with consumers=1; allowed: pingpong with 2 or 3 "
                             "consumer warpgroups")
+        if not problems and config.get("cluster") and config.get("schedule", "pairs") != "pairs":
+            problems.append(f"config.cluster=True is invalid with schedule={config['schedule']!r}; allowed: "
+                            "cluster with schedule='pairs' (the cluster runs a pair's two tiles)")
         return problems
 
     def configs(self, problem: Problem, target: Target, pinned: Mapping[str, Any] | None = None) -> list[Sm90Config]:
         pinned = dict(pinned or {})
         values = [(pinned[f],) if f in pinned else allowed for f, allowed in self.config_fields.items()]
-        return [Sm90Config(*combo) for combo in itertools.product(*values) if not (combo[4] and combo[1] == 1)
-                and not (problem.dropout_p and combo[1] > DROPOUT_CONSUMERS)]
+        configs = [Sm90Config(*combo) for combo in itertools.product(*values) if not (combo[4] and combo[1] == 1)
+                   and not (problem.dropout_p and combo[1] > DROPOUT_CONSUMERS)]
+        return [c for c in configs if not (c.cluster and cluster_reason(c, problem))]
 
     def default_config(self, problem: Problem, target: Target) -> Sm90Config:
         plain = problem.mask in ("none", "causal") and problem.score_mod is None and problem.sink is None
@@ -293,6 +318,8 @@ class Sm90Forward(KernelFamily):
             config["pingpong"] = False  # nothing to take turns with
         if problem.varlen and "schedule" not in pinned:
             config["schedule"] = "dynamic"  # the tile list is read through the dynamic schedule's counter
+        if config["cluster"] and "schedule" not in pinned:
+            config["schedule"] = "pairs"  # the cluster runs a pair's two tiles
         return Sm90Config(**config)
 
     def plan(self, problem: Problem, target: Target, config: Sm90Config, *, fault: str | None = None) -> Sm90Plan:
@@ -306,6 +333,9 @@ class Sm90Forward(KernelFamily):
             raise SpecError(f"config {config.label()}: {config.consumers} consumer warpgroups leave 160 registers per "
                             f"thread, too few for dropout's keep masks beside S, P and O; allowed with dropout_p > 0: "
                             f"consumers <= {DROPOUT_CONSUMERS}", field="config")
+        if config.cluster and (reason := cluster_reason(config, problem)) is not None:
+            raise SpecError(f"config {config.label()}: a cluster of two CTAs cannot run this problem: {reason}",
+                            field="config")
         if problem.varlen and config.schedule != "dynamic":
             raise SpecError(f"config {config.label()}: packed sequences (varlen) take their tiles from a list through "
                             f"the dynamic schedule; allowed: schedule=dynamic", field="config")
@@ -336,7 +366,8 @@ class Sm90Forward(KernelFamily):
             kernels=(KernelPlan(name, threads, smem, abi), *mask_table.kernels(name, table, abi), *first),
             block_m=config.block_m, block_n=config.block_n,
             fault=fault, consumers=config.consumers, num_stages=config.num_stages, q_buffers=q_buffers,
-            overlap=config.overlap, pingpong=config.pingpong, schedule=config.schedule, threads=threads, smem_bytes=smem, producer_regs=producer_regs,
+            overlap=config.overlap, pingpong=config.pingpong, schedule=config.schedule, cluster=config.cluster,
+            threads=threads, smem_bytes=smem, producer_regs=producer_regs,
             consumer_regs=consumer_regs, lazy_rescale=lazy_rescale(config, problem.head_dim),
             mask=get_mask(problem.mask))
 
@@ -383,6 +414,8 @@ class Sm90Forward(KernelFamily):
         if plan.schedule == "pairs":  # pairs of tiles (an even count per head) dealt out to one CTA per SM at most
             tiles = (m_blocks + 1) // 2 * 2 * call.heads_q * call.batch
             grid = (tiles if tiles <= sms else min(tiles // 2, sms), 1, 1)  # flash_fwd_sm90.cuh tile_index
+            if plan.cluster:  # one tile per CTA and round, a pair per cluster: an even grid
+                grid = (min(tiles, sms - sms % 2), 1, 1)
         else:
             grid = (min(tiles, sms) if dynamic else tiles, 1, 1)
         params = plan.kernels[0].abi.pack(args)
