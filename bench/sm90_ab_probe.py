@@ -62,6 +62,8 @@ DENSE = {
     "d128-none-16k-n160c": (128, "none", 1, 16384, 16, 16, "m128n160s2oprc"),
     "d128-none-8k-n128c": (128, "none", 2, 8192, 16, 16, "m128n128s2oprc"),
     "d128-none-8k-n160-nopp": (128, "none", 2, 8192, 16, 16, "m128n160s2or"),
+    "d128-none-8k-n128s3": (128, "none", 2, 8192, 16, 16, "m128n128s3opr"),  # three stages, one Q buffer
+    "d128-none-8k-n128s3c": (128, "none", 2, 8192, 16, 16, "m128n128s3oprc"),
     "d128-none-8k-n160c-nopp": (128, "none", 2, 8192, 16, 16, "m128n160s2orc"),
     "d256-none-16k-r": (256, "none", 1, 16384, 8, 8, "m128n80s2or"),
     "d256-none-16k-rc": (256, "none", 1, 16384, 8, 8, "m128n80s2orc"),
