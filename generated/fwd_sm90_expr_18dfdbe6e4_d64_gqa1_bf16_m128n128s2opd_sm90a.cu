@@ -880,7 +880,8 @@ struct Pipeline {
 
 __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
     // A phantom block past the last row has no key blocks; under CLUSTER its CTA still loads its half
-    // of the pair's blocks (its consumers idle through them): those of the head's last block.
+    // of the pair's blocks, those of the head's last block. Its consumers idle through them under
+    // OVERLAP (idle_tile); serial_tile computes them on Q's zero-filled rows, never stored.
     const int m0 = CLUSTER > 1 ? min(tile.m_block, p.m_blocks - 1) * BLOCK_M : tile.m_block * BLOCK_M;
     const int m1 = min(m0 + BLOCK_M, seq_q(p, tile));
     if (m0 >= seq_q(p, tile)) return {0, 0, 0, 0, nullptr};

@@ -335,17 +335,19 @@ def test_idle_warpgroups_with_one_q_buffer(schedule, head_dim, block_n):
             run_and_check(spec, q, k, v)
 
 
-@pytest.mark.parametrize("head_dim,dtype,block_n,overlap", [
-    (128, "bf16", 160, True), (96, "fp16", 128, True), (256, "bf16", 80, True), (128, "fp16", 128, False)])
+@pytest.mark.parametrize("head_dim,dtype,block_n,overlap,stages", [
+    (128, "bf16", 160, True, 2), (96, "fp16", 128, True, 2), (256, "bf16", 80, True, 2), (128, "fp16", 128, False, 2),
+    (128, "bf16", 128, True, 3)])
 @pytest.mark.parametrize("extras", [{}, {"score_mod": "softcap(30)", "sink": "sinks[h]"}])
-def test_clusters_of_two_ctas(head_dim, dtype, block_n, overlap, extras):
+def test_clusters_of_two_ctas(head_dim, dtype, block_n, overlap, stages, extras):
     """fwd_sm90 with each pair's two tiles on a cluster of two CTAs, every K/V block multicast half from
     each: fewer tiles than SMs and several rounds of them, a phantom block (an odd count of query blocks:
     its CTA loads its half and idles), Sq != Sk both ways, GQA; two calls in a row."""
     if this_target().cc != 90:
         pytest.skip("fwd_sm90 runs on sm_90a only")
     spec = AttentionSpec(head_dim=head_dim, dtype=dtype, mask="none", gqa_ratio=2, family="fwd_sm90", **extras,
-                         config={"block_n": block_n, "overlap": overlap, "schedule": "pairs", "cluster": True})
+                         config={"block_n": block_n, "overlap": overlap, "num_stages": stages, "schedule": "pairs",
+                                 "cluster": True})
     kernel = attngen.compile(spec)
     assert kernel.plan.cluster
     inputs = None

@@ -297,3 +297,4 @@ def test_resource_reports_are_cached_per_nvcc_version_and_failures_are_retried(m
     version[0] = "13.1.0"
     resources.compile_reports(space)
     assert len(compiled) == 2 * len(space) + 1  # another nvcc: every report again
+

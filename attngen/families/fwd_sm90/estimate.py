@@ -15,6 +15,10 @@ from attngen.tune.model import Estimate, GpuModel, Shape, dram_seconds, key_bloc
 SOFTMAX_OPS_PER_SCORE = 4  # scale-and-subtract FMA, max, sum, pack
 MASK_OPS_PER_SCORE = 3
 UNHIDDEN = 0.15  # what the overlap leaves of the softmax beside the GEMMs
+# A cluster of two CTAs waits for the slower CTA's release of every stage: measured 2-4.5% slower per
+# clock than the same tile alone (H100, docs/perf-notes.md "Clusters of two CTAs"); its saving in
+# energy at the power cap is not in this clock-bound model.
+CLUSTER_PER_BLOCK = 1.03
 
 
 def estimate(plan, report, gpu: GpuModel, shape: Shape) -> Estimate:
@@ -30,6 +34,8 @@ def estimate(plan, report, gpu: GpuModel, shape: Shape) -> Estimate:
         softmax = c * (bm * bn / (gpu.mufu_per_clk * gpu.clock_hz) + ops / (gpu.fp32_per_clk * gpu.clock_hz))
         hidden = plan.overlap or plan.pingpong
         per_block[masked] = max(mma, softmax) + UNHIDDEN * min(mma, softmax) if hidden else mma + softmax
+        if plan.cluster:
+            per_block[masked] *= CLUSTER_PER_BLOCK
     blocks = key_blocks(plan.mask, bm, bn, shape)
     one_head = [(n - partial) * per_block[False] + partial * per_block[True] + gpu.cta_fixed_s + gpu.mem_latency_s
                 for n, partial in blocks]

@@ -74,18 +74,24 @@ Q_BUFFERS_MAX = 3
 STATIC_SMEM_BYTES = 1024
 
 
-def cluster_reason(config: "Sm90Config", problem: Problem) -> str | None:
+def cluster_reason(config: "Sm90Config", problem: Problem, target: Target | None = None) -> str | None:
     """Why `config` cannot run `problem` on a cluster of two CTAs, or None. The two tiles of a pair share
     every key block only without a mask (a score modifier or sink changes no block), and each CTA loads
     every other 64-column chunk of a block, so the chunks must split evenly (head dims 96, 128, 256)."""
     if config.schedule != "pairs":
         return f"schedule={config.schedule}; allowed: schedule=pairs (the cluster runs a pair's two tiles)"
-    if problem.mask != "none" or problem.varlen:
-        what = "packed sequences (varlen)" if problem.varlen else f"mask {problem.mask!r}"
-        return f"{what}: the two tiles of a pair must see the same key blocks; allowed: mask none"
+    if problem.varlen:
+        return ("packed sequences (varlen) tile each sequence on its own, through the dynamic schedule; allowed: "
+                "clusters for calls of one length (varlen=False)")
+    if problem.mask != "none":
+        return f"mask {problem.mask!r}: the two tiles of a pair must see the same key blocks; allowed: mask none"
     if -(-problem.head_dim // 64) % 2:
         return (f"head_dim {problem.head_dim} is one 64-column chunk, which two CTAs cannot split; allowed: "
                 "head dims of 2 or 4 chunks (96, 128, 256)")
+    if problem.dropout_p:
+        return f"dropout_p={problem.dropout_p}: clusters are not validated with dropout on a GPU; allowed: dropout_p 0"
+    if target is not None and target.sms is not None and target.sms < 2:
+        return f"{target.name} has {target.sms} SM: a cluster of two CTAs of a whole SM each needs 2 or more"
     return None
 
 
@@ -292,7 +298,10 @@ class Sm90Forward(KernelFamily):
         values = [(pinned[f],) if f in pinned else allowed for f, allowed in self.config_fields.items()]
         configs = [Sm90Config(*combo) for combo in itertools.product(*values) if not (combo[4] and combo[1] == 1)
                    and not (problem.dropout_p and combo[1] > DROPOUT_CONSUMERS)]
-        return [c for c in configs if not (c.cluster and cluster_reason(c, problem))]
+        # Clusters run the pairs schedule (check_config); pinned, a cluster the problem cannot take stays in
+        # the space, where plan() says why.
+        return [c for c in configs if not (c.cluster and (c.schedule != "pairs" or "cluster" not in pinned
+                                                          and cluster_reason(c, problem, target)))]
 
     def default_config(self, problem: Problem, target: Target) -> Sm90Config:
         plain = problem.mask in ("none", "causal") and problem.score_mod is None and problem.sink is None
@@ -333,7 +342,7 @@ class Sm90Forward(KernelFamily):
             raise SpecError(f"config {config.label()}: {config.consumers} consumer warpgroups leave 160 registers per "
                             f"thread, too few for dropout's keep masks beside S, P and O; allowed with dropout_p > 0: "
                             f"consumers <= {DROPOUT_CONSUMERS}", field="config")
-        if config.cluster and (reason := cluster_reason(config, problem)) is not None:
+        if config.cluster and (reason := cluster_reason(config, problem, target)) is not None:
             raise SpecError(f"config {config.label()}: a cluster of two CTAs cannot run this problem: {reason}",
                             field="config")
         if problem.varlen and config.schedule != "dynamic":
