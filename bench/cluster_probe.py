@@ -67,7 +67,8 @@ def main() -> None:
         config.sharedMemBytes = args.smem
         config.attrs = [attrs]
         config.numAttrs = 1
-        err, n = driver.cuOccupancyMaxActiveClusters(driver.CUfunction(kernel.ptr), config)
+        function = driver.CUfunction(kernel.kernel.ptr)  # RawKernel.kernel: the loaded function
+        err, n = driver.cuOccupancyMaxActiveClusters(function, config)
         print(f"cuOccupancyMaxActiveClusters: {err} {n}")
     except Exception as exc:  # the probe's timing answer stands on its own
         print(f"cuOccupancyMaxActiveClusters not run: {exc!r}")
