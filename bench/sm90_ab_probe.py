@@ -31,6 +31,11 @@ from attngen.spec import AttentionSpec
 HEADER = Path(sm90.FOLDER, "flash_fwd_sm90.cuh")
 
 
+# A development variant, not a config: the kernel rendered with lazy rescaling forced on (labels ending
+# "/lazy"), to time at the power cap what the locked clock rejected at head dim 128 (docs/perf-notes.md).
+LAZY = False
+
+
 def use_header(text: str | None) -> None:
     """Build fwd_sm90 kernels from `text` in place of the working tree's header (None: the tree's)."""
     family = get_family("fwd_sm90")
@@ -41,7 +46,24 @@ def use_header(text: str | None) -> None:
 
 def _render(text, plan):
     source = sm90.Sm90Forward.render(get_family("fwd_sm90"), plan)
-    return source if text is None else source.replace(HEADER.read_text(), text)
+    if text is not None:
+        source = source.replace(HEADER.read_text(), text)
+    if LAZY:
+        lazy = source.replace("constexpr bool LAZY_RESCALE = false;", "constexpr bool LAZY_RESCALE = true;")
+        assert lazy != source or "LAZY_RESCALE = true;" in source, "the template's LAZY_RESCALE line moved"
+        source = lazy
+    return source
+
+
+def _use_lazy(lazy: bool) -> None:
+    global LAZY
+    if lazy != LAZY or (lazy and not isinstance(get_family("fwd_sm90").render, functools.partial)):
+        LAZY = lazy
+        if isinstance(get_family("fwd_sm90").render, functools.partial):  # keep a header variant in place
+            dispatch._kernels.clear()
+            dispatch.forget()
+        else:
+            use_header(None)
 
 
 # name -> (head_dim, mask, batch, seqlen, heads, kv_heads, config label or None for the default)
@@ -57,6 +79,9 @@ DENSE = {
     "d128-none-8k-n128": (128, "none", 2, 8192, 16, 16, "m128n128s2opr"),
     "d128-none-8k-n160": (128, "none", 2, 8192, 16, 16, "m128n160s2opr"),
     "d128-none-16k-n160": (128, "none", 1, 16384, 16, 16, "m128n160s2opr"),
+    "d128-none-8k-n160-lazy": (128, "none", 2, 8192, 16, 16, "m128n160s2opr/lazy"),  # lazy rescaling forced on
+    "d128-none-16k-n160-lazy": (128, "none", 1, 16384, 16, 16, "m128n160s2opr/lazy"),
+    "d128-causal-8k-lazy": (128, "causal", 2, 8192, 16, 16, "m128n128s2opr/lazy"),
     "d128-none-2k-n160c": (128, "none", 8, 2048, 16, 16, "m128n160s2oprc"),  # clusters of two CTAs
     "d128-none-8k-n160c": (128, "none", 2, 8192, 16, 16, "m128n160s2oprc"),
     "d128-none-16k-n160c": (128, "none", 1, 16384, 16, 16, "m128n160s2oprc"),
@@ -126,7 +151,9 @@ def shape_case(d, mask, batch, seqlen, heads, kv_heads):
 
 
 def runner(d, mask, heads, kv_heads, label):
-    """attngen on fwd_sm90 with the config `label` (None: the default; a "/q2" suffix is the caller's)."""
+    """attngen on fwd_sm90 with the config `label` (None: the default; a "/q2" suffix is the caller's,
+    "/lazy" renders the kernel with lazy rescaling on)."""
+    _use_lazy(bool(label) and label.endswith("/lazy"))
     config = sm90.Sm90Config.from_label(label.split("/")[0]).to_dict() if label else None
     spec = AttentionSpec(head_dim=d, mask=mask, gqa_ratio=heads // kv_heads, family="fwd_sm90", config=config)
     return lambda q, k, v: attngen.attention(q, k, v, spec)
