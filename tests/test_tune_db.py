@@ -473,6 +473,34 @@ def test_concurrent_writers(tmp_path):
     assert shared.config["block_m"] == 64 and shared.updated.endswith(":13+00:00")
 
 
+def _racing_creator(paths: list[str], start) -> None:
+    failures = []
+    for path in paths:
+        start.wait(timeout=60)
+        try:
+            TuningDB(path).put(make_entry())
+        except TuningDBError as exc:  # keep meeting the others at the barrier; fail at the end
+            failures.append(str(exc))
+    if failures:
+        raise SystemExit("\n".join(failures))
+
+
+def test_new_writers_racing_to_create_the_database(tmp_path):
+    # Eight writers open each missing file at once, so they race for the switch to WAL mode, which
+    # SQLite refuses at once (no busy handler) while another holds a lock. Before the retry, about
+    # one file in four lost a writer to "database is locked".
+    paths = [str(tmp_path / f"t{trial}.sqlite3") for trial in range(12)]
+    ctx = mp.get_context("spawn")
+    start = ctx.Barrier(8)
+    procs = [ctx.Process(target=_racing_creator, args=(paths, start)) for _ in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0] * 8
+    assert all(TuningDB(path).entries() == [make_entry()] for path in paths)
+
+
 def test_entry_record_round_trip_and_label():
     entry = make_entry()
     assert TuningEntry.from_record(entry.record()) == entry

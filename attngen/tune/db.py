@@ -30,6 +30,7 @@ import math
 import os
 import sqlite3
 import threading
+import time
 import warnings
 from contextlib import closing
 from dataclasses import dataclass, fields
@@ -224,6 +225,23 @@ def _db_row(record: dict) -> dict:
     return {**record, "config": _canonical_json(record["config"]), "searched": _canonical_json(record["searched"])}
 
 
+def _enter_wal_mode(conn: sqlite3.Connection) -> None:
+    """Switch the file to write-ahead logging. The switch needs an exclusive lock, and SQLite answers
+    "database is locked" at once, without its busy handler, while another new writer holds a lock:
+    so retry here, for as long as the busy timeout allows."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    delay_s = 0.001
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + delay_s > deadline:
+                raise
+            time.sleep(delay_s)
+            delay_s = min(2 * delay_s, 0.05)
+
+
 def _version(conn: sqlite3.Connection) -> int:
     return conn.execute("PRAGMA user_version").fetchone()[0]
 
@@ -280,7 +298,7 @@ class TuningDB:
     def _upgrade(self, conn: sqlite3.Connection) -> None:
         """Create the table, or migrate a version-1 one, in one transaction: of concurrent writers one
         upgrades, the others wait for it and then find version 2."""
-        conn.execute("PRAGMA journal_mode = WAL")  # readers never block the writer; not inside a transaction
+        _enter_wal_mode(conn)  # readers never block the writer; not inside a transaction
         dropped: list[str] = []
         conn.isolation_level = None  # explicit BEGIN IMMEDIATE: take the write lock before reading the version
         try:
