@@ -757,10 +757,12 @@ __device__ __forceinline__ int grid_size() {
     return static_cast<int>(n);
 }
 
-// -- producer: one thread issues every load, tile after tile (DYNAMIC and CLUSTER: its whole warp runs
-// the loop, and lane 0 issues: warp-uniform values stay in uniform registers, where the producer's 24
-// or 32 registers a thread cannot hold them all) -------------------------------------------------
-constexpr bool PRODUCER_WARP = DYNAMIC || CLUSTER > 1;
+// -- producer: one thread issues every load, tile after tile (DYNAMIC: its whole warp runs the loop,
+// and lane 0 issues: warp-uniform values stay in uniform registers, where the producer's 24 or 32
+// registers a thread cannot hold them all). CLUSTER keeps one thread, given 32 registers (family.py
+// CLUSTER_REGISTERS): a whole warp cost 2-2.5% per clock there, as it does under PAIRS
+// (docs/perf-notes.md "The clusters' lost 4%") ------------------------------------------------------
+constexpr bool PRODUCER_WARP = DYNAMIC;
 __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ, u32 sK, u32 sV, int tiles) {
     const bool leader = threadIdx.x == 0;
     if (leader) {
@@ -867,6 +869,17 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
         try_next_q();  // a tile without key blocks
         q_ahead = next_q;
         t = next;
+    }
+    // CLUSTER: the other CTA's consumers release this CTA's stages until they finish, so this CTA (its
+    // barriers) must outlive their last arrivals. Wait here for the release of every stage's last block,
+    // by both CTAs, rather than with a cluster barrier at exit, where the idle warps waited out the
+    // whole kernel (2% per clock). The multicasts into this CTA completed before its consumers used them.
+    if constexpr (CLUSTER > 1) {
+#pragma unroll 1
+        for (int k = 0; k < NUM_STAGES; ++k, ++g) {
+            mbar_wait(smem_u32(&pipe.k_empty[g % NUM_STAGES]), ((g / NUM_STAGES) & 1) ^ 1);
+            mbar_wait(smem_u32(&pipe.v_empty[g % NUM_STAGES]), ((g / NUM_STAGES) & 1) ^ 1);
+        }
     }
 }
 
@@ -1454,8 +1467,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
         if constexpr (SET_MAX_REGS) regs_alloc<CONSUMER_REGS>();
         Consumer(p, pipe, sQ, sK, sV, wg - 1).run(tiles);
     }
-    // The other CTA's consumers release stages here until they finish: this CTA's barriers outlive them.
-    if constexpr (CLUSTER > 1) cluster_sync();
+    // (CLUSTER: no barrier at exit; the producer's last waits keep this CTA until the other's releases.)
 }
 
 }  // namespace fa90

@@ -55,6 +55,9 @@ NUM_STAGES = (2, 3, 4)
 # Registers per thread of the producer and of each consumer warpgroup (setmaxnreg): the 64K
 # register file split so the consumers hold S, P and O. One consumer warpgroup keeps the default.
 REGISTERS = {1: (None, None), 2: (24, 240), 3: (32, 160)}
+# Clusters: the producer is one thread (flash_fwd_sm90.cuh PRODUCER_WARP), which needs 32 registers
+# for the multicast's operands (24 spilled 8-32 bytes); the consumers still fit in 232 without spills.
+CLUSTER_REGISTERS = {2: (32, 232)}
 # Dropout's draws and keep masks do not fit beside S, P and O in 160 registers: with dropout, at
 # most 2 consumer warpgroups (240 registers each).
 DROPOUT_CONSUMERS = 2
@@ -311,7 +314,8 @@ class Sm90Forward(KernelFamily):
             kind = f"{kind}_gqa"
         choices = table[problem.head_dim, kind]
         config = next((c for c in choices if smem_bytes(c, problem.head_dim) <= target.smem_per_block
-                       and not (problem.dropout_p and c.consumers > DROPOUT_CONSUMERS)), choices[-1])
+                       and not (problem.dropout_p and c.consumers > DROPOUT_CONSUMERS)
+                       and not (c.cluster and cluster_reason(c, problem, target))), choices[-1])
         if kind == "expressions" and problem.score_mod is None and problem.sink is None \
                 and causal_shaped(problem.mask):
             # Tiles of causal's lengths (`q_idx >= kv_idx`): causal's schedule, which beats the
@@ -327,6 +331,8 @@ class Sm90Forward(KernelFamily):
             config["pingpong"] = False  # nothing to take turns with
         if problem.varlen and "schedule" not in pinned:
             config["schedule"] = "dynamic"  # the tile list is read through the dynamic schedule's counter
+        if config["cluster"] and "cluster" not in pinned and config["schedule"] != "pairs":
+            config["cluster"] = False  # a default's cluster gives way to a pinned schedule other than pairs
         if config["cluster"] and "schedule" not in pinned:
             config["schedule"] = "pairs"  # the cluster runs a pair's two tiles
         return Sm90Config(**config)
@@ -358,7 +364,8 @@ class Sm90Forward(KernelFamily):
                 f"{target.name} allows {target.smem_per_block} B: lower num_stages or block_n", field="config")
         name = self.plan_name(problem, target, config, fault)
         threads = 128 * (config.consumers + 1)
-        producer_regs, consumer_regs = REGISTERS[config.consumers]
+        producer_regs, consumer_regs = (CLUSTER_REGISTERS.get(config.consumers, REGISTERS[config.consumers])
+                                        if config.cluster else REGISTERS[config.consumers])
         table = mask_table.for_problem(problem, config.block_n)  # with key-block lists
         abi = mask_table.with_table(with_inputs(ARGUMENTS, problem_inputs(problem), _the_call), table, _the_call,
                                     config.block_m)
