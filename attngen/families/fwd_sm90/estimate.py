@@ -15,10 +15,10 @@ from attngen.tune.model import Estimate, GpuModel, Shape, dram_seconds, key_bloc
 SOFTMAX_OPS_PER_SCORE = 4  # scale-and-subtract FMA, max, sum, pack
 MASK_OPS_PER_SCORE = 3
 UNHIDDEN = 0.15  # what the overlap leaves of the softmax beside the GEMMs
-# A cluster of two CTAs waits for the slower CTA's release of every stage: measured 2-4.5% slower per
-# clock than the same tile alone (H100, docs/perf-notes.md "Clusters of two CTAs"); its saving in
-# energy at the power cap is not in this clock-bound model.
-CLUSTER_PER_BLOCK = 1.03
+# A cluster of two CTAs measured 1% slower per clock than the same tile alone (H100, one producer
+# thread and no exit barrier: docs/perf-notes.md "The clusters' lost 4%"); its saving in energy at the
+# power cap (1.4-1.6% faster there at d128) is not in this clock-bound model.
+CLUSTER_PER_BLOCK = 1.01
 
 
 def estimate(plan, report, gpu: GpuModel, shape: Shape) -> Estimate:
