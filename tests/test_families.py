@@ -103,6 +103,13 @@ def test_sm90_config_rules():
     assert "pingpong=True is invalid with consumers=1" in family.check_config({"pingpong": True, "consumers": 1})[0]
     with pytest.raises(SpecError, match="needs .* shared memory"):
         AttentionSpec(head_dim=256, family="fwd_sm90", config={"block_n": 192, "num_stages": 4}).name
+    # Three consumer warpgroups (160 registers) cannot hold d256's O beside S and P: out of the tuner's
+    # space there, and refused by name when pinned; d128 keeps them.
+    d256, d128 = (AttentionSpec(head_dim=d, mask="none").problem for d in (256, 128))
+    assert {c.consumers for c in family.configs(d256, H100)} == {1, 2}
+    assert 3 in {c.consumers for c in family.configs(d128, H100)}
+    with pytest.raises(SpecError, match="allowed at head_dim > 128: consumers <= 2"):
+        family.plan(d256, H100, family.resolve_config(d256, H100, {"consumers": 3, "block_n": 64}))
 
 
 def test_sm90_schedules_labels_and_defaults():

@@ -37,10 +37,12 @@ def render(spec: AttentionSpec, target=None) -> str:
 
 def allowed_rejection(err: SpecError, *specs: AttentionSpec) -> bool:
     """What a plan may refuse of a spec whose config passes check_config: a config the target's shared
-    memory cannot hold, or, where one of `specs` pins fwd_sm90's clusters, a problem they cannot run (a
-    mask, a head dim of one chunk: family.py cluster_reason)."""
+    memory cannot hold, fwd_sm90's three consumer warpgroups at a head dim whose O leaves them too few
+    registers (family.py THREE_CONSUMERS_MAX_HEAD_DIM), or, where one of `specs` pins fwd_sm90's clusters,
+    a problem they cannot run (a mask, a head dim of one chunk: family.py cluster_reason)."""
     clustered = any(spec.pinned.get("cluster") for spec in specs)
     return err.field == "config" and ("shared memory" in str(err)
+                                      or "3 consumer warpgroups get 160 registers" in str(err)
                                       or clustered and "a cluster of two CTAs cannot run" in str(err))
 
 

@@ -61,6 +61,10 @@ CLUSTER_REGISTERS = {2: (32, 232)}
 # Dropout's draws and keep masks do not fit beside S, P and O in 160 registers: with dropout, at
 # most 2 consumer warpgroups (240 registers each).
 DROPOUT_CONSUMERS = 2
+# O takes head_dim / 2 fp32 registers per thread: at head dim 256 that is 128 of the 160 three consumer
+# warpgroups get, too few left for S, P and addresses (ptxas fails: nvcc 13.0, every block size). Three
+# consumer warpgroups run head dims up to this.
+THREE_CONSUMERS_MAX_HEAD_DIM = 128
 DEFAULT_SMS = 132  # a persistent grid's size where the target is not a device (an H100 SXM)
 # Tile schedules (flash_fwd_sm90.cuh) and their label letters: one CTA per tile; one CTA per SM
 # dealt pairs of tiles statically; one CTA per SM taking tiles from a counter.
@@ -300,7 +304,8 @@ class Sm90Forward(KernelFamily):
         pinned = dict(pinned or {})
         values = [(pinned[f],) if f in pinned else allowed for f, allowed in self.config_fields.items()]
         configs = [Sm90Config(*combo) for combo in itertools.product(*values) if not (combo[4] and combo[1] == 1)
-                   and not (problem.dropout_p and combo[1] > DROPOUT_CONSUMERS)]
+                   and not (problem.dropout_p and combo[1] > DROPOUT_CONSUMERS)
+                   and not (combo[1] == 3 and problem.head_dim > THREE_CONSUMERS_MAX_HEAD_DIM)]
         # Clusters run the pairs schedule (check_config); pinned, a cluster the problem cannot take stays in
         # the space, where plan() says why.
         return [c for c in configs if not (c.cluster and (c.schedule != "pairs" or "cluster" not in pinned
@@ -348,6 +353,10 @@ class Sm90Forward(KernelFamily):
             raise SpecError(f"config {config.label()}: {config.consumers} consumer warpgroups leave 160 registers per "
                             f"thread, too few for dropout's keep masks beside S, P and O; allowed with dropout_p > 0: "
                             f"consumers <= {DROPOUT_CONSUMERS}", field="config")
+        if config.consumers == 3 and problem.head_dim > THREE_CONSUMERS_MAX_HEAD_DIM:
+            raise SpecError(f"config {config.label()}: 3 consumer warpgroups get 160 registers per thread, and O alone "
+                            f"takes head_dim / 2 = {problem.head_dim // 2} of them at head_dim {problem.head_dim}; "
+                            f"allowed at head_dim > {THREE_CONSUMERS_MAX_HEAD_DIM}: consumers <= 2", field="config")
         if config.cluster and (reason := cluster_reason(config, problem, target)) is not None:
             raise SpecError(f"config {config.label()}: a cluster of two CTAs cannot run this problem: {reason}",
                             field="config")
