@@ -94,8 +94,8 @@ def test_the_combine_takes_one_cta_per_output_row():
     main, combine = FAMILY.launches(plan, call)
     assert main.grid == (2, 5, 3)  # (kv heads x row tiles, splits, batch)
     assert combine.grid == (3 * 2 * 8, 1, 1) and combine.block == (COMBINE_THREADS, 1, 1)
-    # On sm_90 the combine is a programmatic dependent launch (it waits in-kernel); not before.
-    assert combine.early and not main.early
+    # On sm_90 both are programmatic dependent launches (each waits in-kernel); not before.
+    assert combine.early and main.early
     sm80 = decode_plan(AttentionSpec(head_dim=128, gqa_ratio=4), targets.target("sm_80"), True)
     assert not any(launch.early for launch in FAMILY.launches(sm80, call))
 

@@ -300,12 +300,16 @@ class Sm80Decode(KernelFamily):
     def launches(self, plan: DecodePlan, call: DecodeCall) -> list[Launch]:
         params = plan.kernels[0].abi.pack(self._tma_args(plan, call) if plan.tma else call)
         grid = (call.heads_kv * self.row_tiles(plan, call), call.num_splits, call.batch)
-        launches = [Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, params)]
+        # sm_90: both kernels are launched early (programmatic dependent launches): each one's launch and
+        # start-up overlap the end of the kernel before it in the stream (for the split kernel, the previous
+        # step's combine or split kernel, which let it start after their key loops), and each waits for
+        # that kernel's writes in-kernel before touching memory (flash_decode.cuh pdl_wait).
+        early = plan.target.cc >= 90
+        launches = [Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, params, early=early)]
         if call.num_splits > 1:
             rows = call.batch * call.seq_q * call.heads_q
-            # sm_90: launched early, so its launch and start-up overlap the split kernel's last wave.
             launches.append(Launch(f"{plan.name}_combine", (rows, 1, 1), (COMBINE_THREADS, 1, 1), 0, params,
-                                   early=plan.target.cc >= 90))
+                                   early=early))
         return launches
 
     def _tma_args(self, plan: DecodePlan, call: DecodeCall) -> TmaDecodeArgs:

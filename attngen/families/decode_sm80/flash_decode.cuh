@@ -93,6 +93,9 @@ __device__ __forceinline__ void flash_decode(const P& p) {
     const u32 sQ = sKV + RING_BYTES;
     const u32 bars = sKV + BARS_OFFSET;  // TMA: one mbarrier per stage, a phase per block it holds
     const bool tma = tma_box_rows(p) > 0;
+    // Launched early (sm_90: family.py launches): the CTA was scheduled while the kernel before it in the
+    // stream finished; every read of an input and every write waits for that kernel's writes here.
+    pdl_wait();
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
@@ -496,8 +499,9 @@ __device__ __forceinline__ void flash_decode(const P& p) {
             }
     }
 
-    // The combine (launched early) may start once every CTA is here: its launch and start-up then run
-    // under this grid's merges and partial stores, without taking SM slots from the key loop.
+    // The next kernel (the combine, or with one split the next step's split kernel; each launched early)
+    // may start once every CTA is here: its launch and start-up then run under this grid's merges and
+    // stores, without taking SM slots from the key loop.
     pdl_launch_dependents();
     // Merge the warps: each writes its rows' (max, sum) and unnormalised O to shared memory (the
     // ring, now idle), then every thread finishes 4 columns of one row at a time.
@@ -570,6 +574,7 @@ __device__ __forceinline__ void combine(const Params& p) {
     __shared__ float merge_acc[COMBINE_WARPS][HEAD_DIM];
     __shared__ float merge_sum[COMBINE_WARPS];
     pdl_wait();  // launched early (sm_90): the split kernel's partials are complete and visible from here
+    pdl_launch_dependents();  // the next kernel (the next decode step's split kernel) may be scheduled now
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const i64 row = blockIdx.x, rows = (i64)p.batch * p.Sq * p.Hq;
     const int head = (int)(row % p.Hq), token = (int)(row / p.Hq % p.Sq), batch = (int)(row / ((i64)p.Hq * p.Sq));
