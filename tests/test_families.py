@@ -131,6 +131,12 @@ def test_sm90_schedules_labels_and_defaults():
     assert family.default_config(AttentionSpec(head_dim=128, mask="none").problem, one_sm).label() == "m128n160s2opr"
     assert default(head_dim=64, mask="causal") == "m192n128s2opd"
     assert default(head_dim=64, mask="sliding_window(127, 0)") == "m128n128s2opd"
+    # A pinned block size keeps the default's cluster where its accumulators fit the cluster's registers;
+    # 192 keys at d128 would spill there, so that pin runs the plain pairs schedule, unless clusters are pinned.
+    none128 = AttentionSpec(head_dim=128, mask="none").problem
+    resolve = lambda **pins: family.resolve_config(none128, H100, pins).label()  # noqa: E731
+    assert resolve(block_n=128) == "m128n128s2oprc" and resolve(block_n=176) == "m128n176s2oprc"
+    assert resolve(block_n=192) == "m128n192s2opr" and resolve(block_n=192, cluster=True) == "m128n192s2oprc"
 
 
 def _tensor(name, shape, dtype="bfloat16"):

@@ -58,6 +58,10 @@ REGISTERS = {1: (None, None), 2: (24, 240), 3: (32, 160)}
 # Clusters: the producer is one thread (flash_fwd_sm90.cuh PRODUCER_WARP), which needs 32 registers
 # for the multicast's operands (24 spilled 8-32 bytes); the consumers still fit in 232 without spills.
 CLUSTER_REGISTERS = {2: (32, 232)}
+# What a consumer thread's accumulators take, O (head_dim / 2), S (block_n / 2) and P (block_n / 4), most in
+# those 232 registers without spills (nvcc 13.0, d128: 176-key blocks take 196 and compile clean, 192-key
+# blocks take 208 and spill 48 bytes). A default's cluster gives way to a pinned block size above it.
+CLUSTER_ACCUMULATOR_REGISTERS = 200
 # Dropout's draws and keep masks do not fit beside S, P and O in 160 registers: with dropout, at
 # most 2 consumer warpgroups (240 registers each).
 DROPOUT_CONSUMERS = 2
@@ -338,6 +342,9 @@ class Sm90Forward(KernelFamily):
             config["schedule"] = "dynamic"  # the tile list is read through the dynamic schedule's counter
         if config["cluster"] and "cluster" not in pinned and config["schedule"] != "pairs":
             config["cluster"] = False  # a default's cluster gives way to a pinned schedule other than pairs
+        accumulators = problem.head_dim // 2 + config["block_n"] // 2 + config["block_n"] // 4
+        if config["cluster"] and "cluster" not in pinned and accumulators > CLUSTER_ACCUMULATOR_REGISTERS:
+            config["cluster"] = False  # nor to a pinned block size whose S and P would spill beside O there
         if config["cluster"] and "schedule" not in pinned:
             config["schedule"] = "pairs"  # the cluster runs a pair's two tiles
         return Sm90Config(**config)
