@@ -6,6 +6,7 @@ and the forward front door refuses a decode family."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -84,13 +85,18 @@ def test_splits_fill_the_gpu_and_keep_blocks_per_split():
     assert choose_splits(8, 8, 1, 8192, 64, 132, 2) == 4
 
 
-def test_the_combine_takes_one_cta_per_output_row():
-    plan = decode_plan(AttentionSpec(head_dim=128, gqa_ratio=4), H100, True)
-    call = DecodeCall(*(info(name, shape, dtype) for name, shape, dtype in (
+def decode_call_of(num_splits: int) -> DecodeCall:
+    """A paged call: 3 sequences of 2 new tokens, 8 query heads over 2 kv heads, d128."""
+    return DecodeCall(*(info(name, shape, dtype) for name, shape, dtype in (
         ("q", (3, 2, 8, 128), "bfloat16"), ("k_cache", (40, 64, 2, 128), "bfloat16"),
         ("v_cache", (40, 64, 2, 128), "bfloat16"), ("cache_seqlens", (3,), "int32"),
         ("page_table", (3, 10), "int32"), ("out", (3, 2, 8, 128), "bfloat16"), ("lse", (3, 8, 2), "float32"))),
-        0.1, 5)
+        0.1, num_splits)
+
+
+def test_the_combine_takes_one_cta_per_output_row():
+    plan = decode_plan(AttentionSpec(head_dim=128, gqa_ratio=4), H100, True)
+    call = decode_call_of(5)
     main, combine = FAMILY.launches(plan, call)
     assert main.grid == (2, 5, 3)  # (kv heads x row tiles, splits, batch)
     assert combine.grid == (3 * 2 * 8, 1, 1) and combine.block == (COMBINE_THREADS, 1, 1)
@@ -169,6 +175,34 @@ def test_plans_compile_without_spills(arch, spec, paged):
     report = nvcc.check_plan(plan)
     assert report.spill_bytes == 0 and report.stack_frame_bytes == 0, report.log
     assert [k.symbol for k in plan.kernels] == [plan.name, f"{plan.name}_combine"]
+
+
+# Instructions that touch global memory (loads, stores, cp.async, TMA, atomics, generic accesses).
+GLOBAL_ACCESS = re.compile(r"\b(LDG|STG|LDGSTS|UTMALDG|UTMASTG|UBLKCP|RED|ATOM|ATOMG|LD|ST)(\.|\s)")
+
+
+@pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
+@pytest.mark.parametrize("loads", ["cp_async", "tma"])
+def test_sm90_kernels_wait_for_the_kernel_before_them_before_touching_memory(tmp_path, loads):
+    """On sm_90 both kernels are launched early (family.py launches): each must wait for the kernel before
+    it (griddepcontrol.wait, SASS ACQBULK) before any global load or store, in its straight-line start,
+    or a step could read a cache row, a length or a partial before the kernel that wrote it is done."""
+    if nvcc.find_cuobjdump() is None:
+        pytest.skip("cuobjdump not on PATH: the SASS is not checked here (CI installs it)")
+    spec = AttentionSpec(head_dim=128, gqa_ratio=4, mask="causal", family="decode_sm80", config={"loads": loads})
+    plan = decode_plan(spec, H100, True)
+    if loads == "cp_async":  # (a TMA plan's launches encode tensor maps, with cuda-python)
+        assert all(launch.early for launch in FAMILY.launches(plan, decode_call_of(3)))
+    cubin = tmp_path / "k.cubin"
+    nvcc.check_plan(plan, keep_cubin=cubin)
+    functions = re.split(r"Function : ", nvcc.sass(cubin))[1:]
+    assert sorted(f.split()[0] for f in functions) == sorted(k.symbol for k in plan.kernels)
+    for function in functions:
+        name, body = function.split(maxsplit=1)
+        before = body.split("ACQBULK", 1)
+        assert len(before) == 2, f"{name}: no griddepcontrol.wait"
+        assert not GLOBAL_ACCESS.search(before[0]), f"{name}: global memory touched before the wait"
+        assert "BRA" not in before[0], f"{name}: the wait is not in the kernel's straight-line start"
 
 
 def test_every_config_the_family_lists_plans_or_says_why():
