@@ -85,6 +85,8 @@ DENSE = {
     "d128-none-2k-n160c": (128, "none", 8, 2048, 16, 16, "m128n160s2oprc"),  # clusters of two CTAs
     "d128-none-8k-n160c": (128, "none", 2, 8192, 16, 16, "m128n160s2oprc"),
     "d128-none-16k-n160c": (128, "none", 1, 16384, 16, 16, "m128n160s2oprc"),
+    "d128-none-8k-n160c-lazy": (128, "none", 2, 8192, 16, 16, "m128n160s2oprc/lazy"),  # the cluster default, lazy
+    "d128-none-16k-n160c-lazy": (128, "none", 1, 16384, 16, 16, "m128n160s2oprc/lazy"),
     "d128-none-8k-n128c": (128, "none", 2, 8192, 16, 16, "m128n128s2oprc"),
     "d128-none-8k-n160-nopp": (128, "none", 2, 8192, 16, 16, "m128n160s2or"),
     "d128-none-8k-n128s3": (128, "none", 2, 8192, 16, 16, "m128n128s3opr"),  # three stages, one Q buffer
@@ -221,6 +223,9 @@ def documents_case():
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", type=Path, help="the other version of flash_fwd_sm90.cuh")
+    parser.add_argument("--ordinary", action="store_true",
+                        help="the working tree's kernels launched early behind their set-up kernel (family.py "
+                             "EARLY_AFTER_SETUP) against the ordinary launch")
     parser.add_argument("--configs", action="store_true",
                         help="compare the working tree's configs (CONFIGS; documents: DOCUMENT_CONFIGS)")
     parser.add_argument("--rounds", type=int, default=2)
@@ -229,9 +234,11 @@ def main() -> None:
     if args.configs:
         with torch.no_grad():
             return compare_configs(args.cases or list(CONFIGS), args.rounds)
-    if args.base is None:
-        parser.error("--base FILE or --configs")
-    base = args.base.read_text()
+    if args.base is None and not args.ordinary:
+        parser.error("--base FILE, --ordinary or --configs")
+    # Two builds, rounds alternating: (name, header text or None for the tree's, early launch behind set-up).
+    builds = (("base", args.base.read_text(), True), ("new", None, True)) if args.base else \
+        (("ordinary", None, False), ("early", None, True))
     names = args.cases or ["documents", *DENSE]
     torch.manual_seed(0)
     with torch.no_grad():
@@ -240,11 +247,13 @@ def main() -> None:
             ref_ms = cudnn()
             line = [f"{name:20s}"] + ([f"cuDNN {ref_ms:.3f}ms {flops / ref_ms / 1e9:4.0f}"] if ref_ms else [])
             for r in range(args.rounds):
-                for build, text in (("base", base), ("new", None)) if r % 2 == 0 else (("new", None), ("base", base)):
+                for build, text, early in builds if r % 2 == 0 else builds[::-1]:
+                    sm90.EARLY_AFTER_SETUP = early
                     use_header(text)
                     ms = time_ms(run, sets)
                     line.append(f"{build} {ms:.3f}ms {flops / ms / 1e9:4.0f}")
             print("  ".join(line), flush=True)
+    sm90.EARLY_AFTER_SETUP = True
     use_header(None)
 
 

@@ -124,6 +124,12 @@ __device__ __forceinline__ bool mbar_test(u32 bar, u32 parity) {
 __device__ __forceinline__ void tma_prefetch(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(map)) : "memory");
 }
+// A box of `map` at these coordinates into L2 only: a hint (no barrier, no shared memory; a box out of
+// the tensor's bounds is not fetched), so that a later tma_load of it finds the bytes in L2.
+__device__ __forceinline__ void tma_prefetch_l2(const TensorMap* map, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n"
+                 ::"l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
 __device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, u32 bar, int c0, int c1, int c2, int c3) {
     asm volatile(
         "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
@@ -1589,7 +1595,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
     // Swizzled tiles must start on 1024-byte boundaries: align the base (SMEM_BYTES has the slack).
     const u32 sQ = (smem_u32(smem_raw) + ALIGN - 1) & ~static_cast<u32>(ALIGN - 1);
     const u32 sK = sQ + Q_BUFFERS * Q_BYTES, sV = sK + NUM_STAGES * KV_BYTES;
-    const int tiles = VARLEN ? varlen_tiles(p) : blocks_per_head(p) * p.Hq * p.batch;
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int q = 0; q < Q_BUFFERS; ++q) {
@@ -1610,6 +1615,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
     // Under CLUSTER the other CTA's multicasts and releases reach these barriers: both inits first.
     if constexpr (CLUSTER > 1) cluster_sync();
     else __syncthreads();
+    // Launched early behind the call's own kernel that zeroes the tile counter or builds the tile list
+    // (family.py launches): the set-up above ran while that kernel did; nothing global is read or
+    // written before it is done.
+    pdl_wait();
+    const int tiles = VARLEN ? varlen_tiles(p) : blocks_per_head(p) * p.Hq * p.batch;
     const int wg = threadIdx.x / WG_THREADS;
     if (wg == 0) {
         if constexpr (SET_MAX_REGS) regs_dealloc<PRODUCER_REGS>();
@@ -1631,7 +1641,9 @@ fwd_sm90_expr_18dfdbe6e4_d64_gqa1_bf16_m128n128s2opd_sm90a(const __grid_constant
     fa90::flash_fwd_sm90(p);  // TMA reads the tensor maps in place: no local copy of p
 }
 
-// Zeroes the tile counter the persistent CTAs take their tiles from; launched before the kernel.
+// Zeroes the tile counter the persistent CTAs take their tiles from; launched before the kernel,
+// which may start at once (it waits for this one's write: pdl_wait).
 extern "C" __global__ void fwd_sm90_expr_18dfdbe6e4_d64_gqa1_bf16_m128n128s2opd_sm90a_reset(const __grid_constant__ FwdSm90Params p) {
+    pdl_launch_dependents();
     *p.tile_counter = 0;
 }

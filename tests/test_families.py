@@ -8,6 +8,7 @@ import math
 import re
 
 import pytest
+import sass_waits
 
 from attngen import targets
 from attngen.build import nvcc
@@ -206,6 +207,7 @@ def test_sm90_dynamic_schedule_launches(monkeypatch):
         call = _sm90_call(128, 2, 8192, 8 * gqa, 8, workspace=1 << 30, inputs=inputs)
         reset, main = family.launches(plan, call)[-2:]
         assert reset.kernel == f"{plan.name}_reset" and main.kernel == plan.name and reset.params == main.params
+        assert main.early and not reset.early  # the kernel starts under the reset (a programmatic dependent launch)
         assert main.grid == (132, 1, 1)  # 64 query blocks x 16 or 64 (batch, head) pairs: more tiles than SMs
         table_bytes = mask_table.workspace_bytes(plan.mask_table, call, plan.block_m)
         assert (plan.mask_table is not None) == ("doc" in mask) and family.workspace_bytes(plan, call) >= table_bytes + 4
@@ -213,6 +215,11 @@ def test_sm90_dynamic_schedule_launches(monkeypatch):
         assert sm90.section_heads(call, gqa, 2) == (sm90.L2_SECTION_BYTES // kv_bytes) * gqa
     plan = plan_spec(AttentionSpec(head_dim=128, family="fwd_sm90", config={"schedule": "dynamic"}), h100)
     assert family.launches(plan, _sm90_call(128, 1, 128, 2, 2))[-1].grid == (2, 1, 1)  # fewer tiles than SMs
+    # Without a set-up kernel of its own before it, the kernel is launched the ordinary way.
+    for label in ("m128n160s2opr", "m128n160s2oprc", "m128n128s2op"):
+        plan = plan_spec(AttentionSpec(head_dim=128, family="fwd_sm90",
+                                       config=sm90.Sm90Config.from_label(label).to_dict()), h100)
+        assert [launch.early for launch in family.launches(plan, _sm90_call(128, 2, 8192, 8, 8))] == [False]
 
 
 def test_sm90_clusters_of_two_ctas_where_a_pair_shares_its_key_blocks(monkeypatch):
@@ -460,7 +467,29 @@ def test_varlen_plans_build_their_tile_list_before_the_kernel(monkeypatch):
         build, main = family.launches(plan, call)
         assert build.kernel == f"{plan.name}_tiles" and build.grid == (1, 1, 1) and build.block == (1024, 1, 1)
         assert main.kernel == plan.name and main.grid == (min(capacity * 4, 132), 1, 1) and build.params == main.params
+        assert main.early and not build.early
         assert grid == main.grid[0]
+
+
+@pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
+@pytest.mark.parametrize("spec", [AttentionSpec(head_dim=64, mask="causal"),
+                                  AttentionSpec(head_dim=128, mask="causal", gqa_ratio=2, varlen=True)],
+                         ids=["dynamic", "varlen"])
+def test_sm90_kernels_behind_their_setup_kernel_wait_for_it_first(spec, tmp_path):
+    """The counter reset (dynamic schedule) and the tile builder (varlen) let the forward kernel start at
+    their own start (griddepcontrol.launch_dependents, SASS PREEXIT, before their first write); the forward
+    kernel, launched early behind them, waits for them (ACQBULK) on every path before touching global memory."""
+    if nvcc.find_cuobjdump() is None:
+        pytest.skip("cuobjdump not on PATH: the SASS is not checked here (CI installs it)")
+    plan = plan_spec(spec, targets.target("sm_90a"))
+    assert plan.schedule == "dynamic" and len(plan.kernels) == 2
+    cubin = tmp_path / "k.cubin"
+    nvcc.check_plan(plan, keep_cubin=cubin)
+    functions = sass_waits.functions(nvcc.sass(cubin))
+    sass_waits.before_the_wait(plan.name, functions[plan.name])
+    setup = functions[plan.kernels[1].symbol]
+    trigger = setup.split("PREEXIT", 1)
+    assert len(trigger) == 2 and not sass_waits.GLOBAL_ACCESS.search(trigger[0]), plan.kernels[1].symbol
 
 
 @pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")

@@ -83,6 +83,62 @@ __device__ __forceinline__ int tma_box_rows(const P& p) {
     else return 0;
 }
 
+// The keys of the CTA's rows (r0: its first row), by the mask's bounds over their tokens.
+template <class P>
+__device__ __forceinline__ mask::Bounds cta_bounds(const P& p, int Sk, int batch, int kv_head, int r0) {
+    const int t_first = r0 / GQA_RATIO, t_end = min(p.Sq, (r0 + BLOCK_M + GQA_RATIO - 1) / GQA_RATIO);
+    return mask::bounds(t_first, t_end, p.Sq, Sk, batch, kv_head * GQA_RATIO, p);
+}
+
+// The key blocks [begin, begin + blocks) one split visits: the bounds cut into runs of blocks per
+// split that differ by at most one block (a CTA's time is its longest split's).
+struct Span {
+    int begin, blocks;
+};
+template <class P>
+__device__ __forceinline__ Span split_span(const P& p, const mask::Bounds& bounds, int split) {
+    const int all_begin = bounds.kv_begin / BLOCK_N;
+    const int all_end = bounds.kv_end > bounds.kv_begin ? (bounds.kv_end + BLOCK_N - 1) / BLOCK_N : all_begin;
+    const int all_blocks = all_end - all_begin;
+    const int begin = all_begin + (int)((i64)split * all_blocks / p.num_splits);
+    return {begin, all_begin + (int)((i64)(split + 1) * all_blocks / p.num_splits) - begin};
+}
+
+// Paged, launched early (sm_90): the CTA may start while the kernel before it still runs (the previous
+// decode step's combine, or any kernel that lets its dependents start, even only at its end): warp 0
+// then reads the first page ids and asks L2 for the first blocks the ring will load, so that the loads
+// issued after pdl_wait find them there. A hint only, so it may run before the wait: what it reads (the
+// length, the page ids) may still change, so it reads past L1 (the reads after the wait must not find a
+// stale line there), and TMA drops boxes outside the tensor, so a stale or bad page id fetches nothing
+// or a wasted box, never a fault. L2 is where the GPU's writes meet, so a prefetched line the previous
+// kernel writes afterwards is not stale. Measured (docs/perf-notes.md "Paged blocks into L2 before the
+// wait"): paged calls behind an ordinary kernel 1.1-1.6% faster, back to back unchanged; the contiguous
+// cache (no page-id round trip to hide) gained nothing and is not prefetched. Masks whose bounds read
+// runtime inputs (not PURE) are not prefetched either.
+constexpr int PREFETCH_BLOCKS = NUM_STAGES;
+template <class P>
+__device__ __forceinline__ void prefetch_first_blocks(const P& p, int batch, int kv_head, int r0, int split, int lane) {
+    if constexpr (TMA && PAGED && mask::PURE) {
+        const int n = __ldcg(p.seqlens + batch);
+        if (n < 0 || n > p.capacity) return;
+        const Span span = split_span(p, cta_bounds(p, n, batch, kv_head, r0), split);
+        const int rows = p.box_rows;
+#pragma unroll 1
+        for (int it = 0; it < min(span.blocks, PREFETCH_BLOCKS); ++it) {
+            const int key = (span.begin + it) * BLOCK_N + lane * rows;  // lane j: the block's j-th box
+            if (lane * rows >= BLOCK_N || key >= n) continue;
+            const int page = __ldcg(p.page_table + (i64)batch * p.pt_sb + key / p.page_size);
+#pragma unroll
+            for (int sub = 0; sub < SUBTILES; ++sub) {
+                tma_prefetch_l2(&p.tmap_k, sub * 64, key % p.page_size, kv_head, page);
+                tma_prefetch_l2(&p.tmap_v, sub * 64, key % p.page_size, kv_head, page);
+            }
+        }
+    } else {
+        (void)p; (void)batch; (void)kv_head; (void)r0; (void)split; (void)lane;
+    }
+}
+
 // A template so that the TMA branches (`if constexpr (TMA)`), which name the tensor maps, are
 // dropped unchecked from a cp.async plan, whose parameter struct has none.
 template <class P>
@@ -93,10 +149,6 @@ __device__ __forceinline__ void flash_decode(const P& p) {
     const u32 sQ = sKV + RING_BYTES;
     const u32 bars = sKV + BARS_OFFSET;  // TMA: one mbarrier per stage, a phase per block it holds
     const bool tma = tma_box_rows(p) > 0;
-    // Launched early (sm_90: family.py launches): the CTA was scheduled while the kernel before it in the
-    // stream finished; every read of an input and every write waits for that kernel's writes here.
-    pdl_wait();
-
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     // Heads vary fastest in launch order, so CTAs running together read the same tokens of every kv
@@ -105,20 +157,18 @@ __device__ __forceinline__ void flash_decode(const P& p) {
     const int Sq = p.Sq, rows = Sq * GQA_RATIO;
     const int row_tiles = (rows + BLOCK_M - 1) / BLOCK_M;
     const int kv_head = blockIdx.x / row_tiles, r0 = (blockIdx.x % row_tiles) * BLOCK_M;
+    if (tma && warp == 0) prefetch_first_blocks(p, batch, kv_head, r0, split, lane);
+    // Launched early (sm_90: family.py launches): the CTA was scheduled while the kernel before it in the
+    // stream finished; every read of an input and every write waits for that kernel's writes here.
+    pdl_wait();
     const int len = cache_len(p, batch);
     bool bad = len < 0;
     const int Sk = bad ? 0 : len;
     const float score_log2 = score::MODIFIED ? LOG2E : p.scale_log2;
 
-    // The keys this CTA visits: the mask's bounds over its tokens, cut into runs of blocks per split
-    // that differ by at most one block (a CTA's time is its longest split's).
-    const int t_first = r0 / GQA_RATIO, t_end = min(Sq, (r0 + BLOCK_M + GQA_RATIO - 1) / GQA_RATIO);
-    const mask::Bounds bounds = mask::bounds(t_first, t_end, Sq, Sk, batch, kv_head * GQA_RATIO, p);
-    const int all_begin = bounds.kv_begin / BLOCK_N;
-    const int all_end = bounds.kv_end > bounds.kv_begin ? (bounds.kv_end + BLOCK_N - 1) / BLOCK_N : all_begin;
-    const int all_blocks = all_end - all_begin;
-    const int n_begin = all_begin + (int)((i64)split * all_blocks / p.num_splits);
-    const int n_blocks = all_begin + (int)((i64)(split + 1) * all_blocks / p.num_splits) - n_begin;
+    const mask::Bounds bounds = cta_bounds(p, Sk, batch, kv_head, r0);
+    const Span span = split_span(p, bounds, split);
+    const int n_begin = span.begin, n_blocks = span.blocks;
 
     const elem_t* k_head = p.k + kv_head * p.k_sh;
     const elem_t* v_head = p.v + kv_head * p.v_sh;

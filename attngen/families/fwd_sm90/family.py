@@ -194,6 +194,9 @@ VARLEN_ARGUMENTS = (
     Param("o_s2", "i64", "i64", lambda a: a.call.out.strides[2], "varlen: out's head stride (elements)"),
 )
 VARLEN_BUILD_THREADS = 1024  # varlen_tiles.cuh BUILD_THREADS
+# The forward kernel as a programmatic dependent launch behind the call's own set-up kernel (launches);
+# a module switch so a probe can time the ordinary launch beside it (bench/sm90_ab_probe.py --ordinary).
+EARLY_AFTER_SETUP = True
 
 
 ARGUMENTS = Abi("FwdSm90Params", [
@@ -439,10 +442,14 @@ class Sm90Forward(KernelFamily):
                         call.workspace + _counter_offset(plan, call) if dynamic else 0, heads,
                         num_seqs(call) if varlen else 0)
         tiles = m_blocks * call.heads_q * call.batch
+        # Behind the call's own kernel that builds the tile list or zeroes the counter, the forward kernel is
+        # launched early (a programmatic dependent launch, which that kernel allows at its start): its
+        # launch and set-up overlap that kernel, and it waits for its writes (flash_fwd_sm90.cuh pdl_wait).
         if varlen:
             params = plan.kernels[0].abi.pack(args)
             return [Launch(plan.kernels[-1].symbol, (1, 1, 1), (VARLEN_BUILD_THREADS, 1, 1), 0, params),
-                    Launch(plan.name, (min(tiles, sms), 1, 1), (plan.threads, 1, 1), plan.smem_bytes, params)]
+                    Launch(plan.name, (min(tiles, sms), 1, 1), (plan.threads, 1, 1), plan.smem_bytes, params,
+                           early=EARLY_AFTER_SETUP)]
         if plan.schedule == "pairs":  # pairs of tiles (an even count per head) dealt out to one CTA per SM at most
             tiles = (m_blocks + 1) // 2 * 2 * call.heads_q * call.batch
             grid = (tiles if tiles <= sms else min(tiles // 2, sms), 1, 1)  # flash_fwd_sm90.cuh tile_index
@@ -453,7 +460,8 @@ class Sm90Forward(KernelFamily):
         params = plan.kernels[0].abi.pack(args)
         reset = [Launch(plan.kernels[-1].symbol, (1, 1, 1), (32, 1, 1), 0, params)] if dynamic else []
         return [*mask_table.launches(plan, call, params), *reset,
-                Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, params)]
+                Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, params,
+                       early=dynamic and EARLY_AFTER_SETUP)]
 
     def estimate(self, plan, report, gpu, shape):
         from attngen.families.fwd_sm90.estimate import estimate

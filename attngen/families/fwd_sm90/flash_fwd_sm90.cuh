@@ -940,7 +940,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
     // Swizzled tiles must start on 1024-byte boundaries: align the base (SMEM_BYTES has the slack).
     const u32 sQ = (smem_u32(smem_raw) + ALIGN - 1) & ~static_cast<u32>(ALIGN - 1);
     const u32 sK = sQ + Q_BUFFERS * Q_BYTES, sV = sK + NUM_STAGES * KV_BYTES;
-    const int tiles = VARLEN ? varlen_tiles(p) : blocks_per_head(p) * p.Hq * p.batch;
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int q = 0; q < Q_BUFFERS; ++q) {
@@ -961,6 +960,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
     // Under CLUSTER the other CTA's multicasts and releases reach these barriers: both inits first.
     if constexpr (CLUSTER > 1) cluster_sync();
     else __syncthreads();
+    // Launched early behind the call's own kernel that zeroes the tile counter or builds the tile list
+    // (family.py launches): the set-up above ran while that kernel did; nothing global is read or
+    // written before it is done.
+    pdl_wait();
+    const int tiles = VARLEN ? varlen_tiles(p) : blocks_per_head(p) * p.Hq * p.batch;
     const int wg = threadIdx.x / WG_THREADS;
     if (wg == 0) {
         if constexpr (SET_MAX_REGS) regs_dealloc<PRODUCER_REGS>();

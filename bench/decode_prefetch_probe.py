@@ -1,0 +1,85 @@
+"""The split kernel's L2 prefetch before its wait (flash_decode.cuh prefetch_first_blocks) against another
+version of flash_decode.cuh, same process, builds alternating: per call from CUDA graphs of back-to-back
+calls (each call's split kernel then starts under the previous call's combine, as it would under any
+kernel that lets its dependents start early), and the same with an ordinary kernel between the calls
+(nothing to start under: what a model whose attention follows a plain kernel sees).
+
+Cases: the decode bench's shapes (GQA 32/8, d128, bf16, one new token), contiguous and paged (pages of 64,
+shuffled), and the bench's graph step at 1 x 4096 (paged, caches rotated past L2).
+
+    git show HEAD:attngen/families/decode_sm80/flash_decode.cuh > .ab/decode-base.cuh
+    PYTHONPATH=. python bench/decode_prefetch_probe.py --header base=.ab/decode-base.cuh [--rounds 2]
+        [--shapes 1x32768,8x8192] [--out FILE.jsonl]
+
+One JSON line per measurement: us per call, TB/s = K and V bytes / time."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+import attngen
+from attngen.bench_decode import GRAPH_SHAPE, HEAD_DIM, HEADS_KV, HEADS_Q, SHAPES, _copy_bandwidth, _graph_ms, _paged
+from decode_paged_probe import json_lines, use_header
+
+
+def cases(shapes: list[tuple[int, int]]):
+    """(name, bytes read per call, step function) for each shape and layout, then the rotated graph step."""
+    gen = torch.Generator().manual_seed(0)
+    for batch, seqlen in shapes:
+        q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, seqlen, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        lens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+        kp, vp, table = _paged(k, v, gen)
+        yield f"{batch}x{seqlen}", 2 * k.numel() * 2, lambda: attngen.decode(q, k, v, lens)
+        yield f"{batch}x{seqlen}-paged", 2 * k.numel() * 2, lambda: attngen.decode(q, kp, vp, lens, page_table=table)
+        del q, k, v, kp, vp, table
+    batch, seqlen = GRAPH_SHAPE
+    nbytes = 2 * batch * seqlen * HEADS_KV * HEAD_DIM * 2
+    count = max(2, -(-3 * torch.cuda.get_device_properties(0).L2_cache_size // nbytes))
+    steps = []
+    for _ in range(count):  # one cache per step, so no step finds its cache in L2 (as bench_graph)
+        k = torch.randn(batch, seqlen, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        kp, vp, table = _paged(k, torch.randn_like(k), gen)
+        q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        steps.append((q, kp, vp, torch.full((batch,), seqlen, dtype=torch.int32, device="cuda"), table))
+    turn = iter(range(10**9))
+
+    def step():
+        q, kp, vp, lens, table = steps[next(turn) % count]
+        return attngen.decode(q, kp, vp, lens, page_table=table)
+    yield f"graph-step-{batch}x{seqlen}-paged", nbytes, step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--header", action="append", default=[], metavar="NAME=FILE")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per build, alternating (ABBA...)")
+    parser.add_argument("--shapes", default=",".join(f"{b}x{s}" for b, s in SHAPES))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    emit = json_lines(args.out.open("w") if args.out else None)
+    builds = [("tree", None), *((name, Path(path).read_text()) for name, path in (h.split("=", 1) for h in args.header))]
+    order = [b for r in range(args.rounds) for b in (builds if r % 2 == 0 else builds[::-1])]
+    emit(gpu=torch.cuda.get_device_name(0), copy_tbps=_copy_bandwidth())
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    small = torch.zeros(1024, device="cuda")
+    for name, nbytes, fn in cases(shapes):
+        for build, text in order:
+            use_header(text)
+            for between in (False, True):
+                def call(fn=fn, between=between):
+                    if between:
+                        small.add_(1.0)  # an ordinary kernel: the split kernel cannot start under it
+                    return fn()
+                call()
+                us = _graph_ms(call, calls=40 if name.startswith("graph") else 20) * 1e3
+                emit(case=name, build=build, between=between, us=us, tbps=nbytes / us / 1e6)
+        use_header(None)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
