@@ -1,0 +1,34 @@
+"""Per-kernel GPU time (torch.profiler / CUPTI) of the packed documents (`attngen bench --masks`: 16 documents
+in 16384 tokens, 16 heads, d128, bf16, causal): the tile builder against the forward kernel, and the gap
+from one kernel's start to the next one's, 30 calls back to back.  PYTHONPATH=. python bench/varlen_kernel_times.py"""
+import collections
+import statistics
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import attngen
+from attngen.bench_masks import _document_ids
+
+_, lengths = _document_ids()
+q, k, v = (torch.randn(16384, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32).cuda()
+with torch.no_grad():
+    for _ in range(5):
+        attngen.attention_varlen(q, k, v, cu, cu, mask="causal")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(30):
+            attngen.attention_varlen(q, k, v, cu, cu, mask="causal")
+        torch.cuda.synchronize()
+kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+times = collections.defaultdict(list)
+for e in kernels:
+    times["tiles" if e.name.endswith("_tiles") else ("forward" if "fwd_sm90" in e.name else e.name[:30])].append(e.device_time)
+print({n: (len(t), round(statistics.median(t), 2)) for n, t in times.items()})
+starts = [(e.name.endswith("_tiles"), e.time_range.start, e.time_range.end) for e in kernels]
+# builder start -> forward start, forward end -> next builder start (us)
+after_tiles = [b[1] - a[1] for a, b in zip(starts, starts[1:]) if a[0] and not b[0]]
+between_calls = [b[1] - a[2] for a, b in zip(starts, starts[1:]) if not a[0] and b[0]]
+print("tiles start -> forward start us", round(statistics.median(after_tiles), 2),
+      " forward end -> next tiles start us", round(statistics.median(between_calls), 2))
