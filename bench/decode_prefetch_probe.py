@@ -1,8 +1,10 @@
 """The split kernel's L2 prefetch before its wait (flash_decode.cuh prefetch_first_blocks) against another
 version of flash_decode.cuh, same process, builds alternating: per call from CUDA graphs of back-to-back
 calls (each call's split kernel then starts under the previous call's combine, as it would under any
-kernel that lets its dependents start early), and the same with an ordinary kernel between the calls
-(nothing to start under: what a model whose attention follows a plain kernel sees).
+kernel that lets its dependents start early), the same with an ordinary kernel between the calls
+(nothing to start under: what a model whose attention follows a plain kernel sees), and eager calls on an
+idle GPU (synchronised before each, kernel times from the profiler: the hints then only add to the
+kernel's start).
 
 Cases: the decode bench's shapes (GQA 32/8, d128, bf16, one new token), contiguous and paged (pages of 64,
 shuffled), and the bench's graph step at 1 x 4096 (paged, caches rotated past L2).
@@ -53,6 +55,29 @@ def cases(shapes: list[tuple[int, int]]):
     yield f"graph-step-{batch}x{seqlen}-paged", nbytes, step
 
 
+def _idle_us(fn, calls: int = 30) -> float:
+    """Median GPU us of the kernels of fn() launched onto an idle GPU (synchronised before each call), from
+    the profiler's kernel records (host launch latency excluded): nothing runs before the split kernel to
+    start under, as in eager decoding whose host is slower than the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and "decode_sm80" in e.name),
+                     key=lambda e: e.time_range.start)
+    # One call: its split kernel's start to the end of its combine (or of the split kernel, with one split).
+    per_call = []
+    for i, e in enumerate(kernels):
+        if e.name.endswith("_combine"):
+            continue
+        last = kernels[i + 1] if i + 1 < len(kernels) and kernels[i + 1].name.endswith("_combine") else e
+        per_call.append(last.time_range.end - e.time_range.start)
+    return sorted(per_call)[len(per_call) // 2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--header", action="append", default=[], metavar="NAME=FILE")
@@ -76,7 +101,9 @@ def main() -> None:
                     return fn()
                 call()
                 us = _graph_ms(call, calls=40 if name.startswith("graph") else 20) * 1e3
-                emit(case=name, build=build, between=between, us=us, tbps=nbytes / us / 1e6)
+                emit(case=name, build=build, mode="between" if between else "back-to-back", us=us,
+                     tbps=nbytes / us / 1e6)
+            emit(case=name, build=build, mode="idle", us=_idle_us(fn), tbps=0.0)
         use_header(None)
         torch.cuda.empty_cache()
 
