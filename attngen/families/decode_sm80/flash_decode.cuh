@@ -100,8 +100,12 @@ __device__ __forceinline__ Span split_span(const P& p, const mask::Bounds& bound
     const int all_begin = bounds.kv_begin / BLOCK_N;
     const int all_end = bounds.kv_end > bounds.kv_begin ? (bounds.kv_end + BLOCK_N - 1) / BLOCK_N : all_begin;
     const int all_blocks = all_end - all_begin;
-    const int begin = all_begin + (int)((i64)split * all_blocks / p.num_splits);
-    return {begin, all_begin + (int)((i64)(split + 1) * all_blocks / p.num_splits) - begin};
+    // s * all_blocks / num_splits, as s * (all_blocks / n) + s * (all_blocks % n) / n: exact, in 32 bits
+    // (s * (all_blocks % n) < n^2 <= MAX_SPLITS^2), where the 64-bit division was a ~70-instruction call
+    // on the CTA's start.
+    const int n = p.num_splits, per = all_blocks / n, extra = all_blocks % n;
+    const int begin = split * per + split * extra / n, end = (split + 1) * per + (split + 1) * extra / n;
+    return {all_begin + begin, end - begin};
 }
 
 // Paged, launched early (sm_90): the CTA may start while the kernel before it still runs (the previous
@@ -122,16 +126,23 @@ __device__ __forceinline__ void prefetch_first_blocks(const P& p, int batch, int
         const int n = __ldcg(p.seqlens + batch);
         if (n < 0 || n > p.capacity) return;
         const Span span = split_span(p, cta_bounds(p, n, batch, kv_head, r0), split);
-        const int rows = p.box_rows;
-#pragma unroll 1
-        for (int it = 0; it < min(span.blocks, PREFETCH_BLOCKS); ++it) {
-            const int key = (span.begin + it) * BLOCK_N + lane * rows;  // lane j: the block's j-th box
-            if (lane * rows >= BLOCK_N || key >= n) continue;
-            const int page = __ldcg(p.page_table + (i64)batch * p.pt_sb + key / p.page_size);
+        const int rows = p.box_rows, first = span.begin * BLOCK_N + lane * rows;  // lane j: a block's j-th box
+        bool in[PREFETCH_BLOCKS];
+        int page[PREFETCH_BLOCKS];
+#pragma unroll
+        for (int b = 0; b < PREFETCH_BLOCKS; ++b) {  // every id requested before any is used
+            const int key = first + b * BLOCK_N;
+            in[b] = b < span.blocks && lane * rows < BLOCK_N && key < n;
+            page[b] = in[b] ? __ldcg(p.page_table + (i64)batch * p.pt_sb + key / p.page_size) : 0;
+        }
+#pragma unroll
+        for (int b = 0; b < PREFETCH_BLOCKS; ++b) {
+            if (!in[b]) continue;
+            const int slot = (first + b * BLOCK_N) % p.page_size;
 #pragma unroll
             for (int sub = 0; sub < SUBTILES; ++sub) {
-                tma_prefetch_l2(&p.tmap_k, sub * 64, key % p.page_size, kv_head, page);
-                tma_prefetch_l2(&p.tmap_v, sub * 64, key % p.page_size, kv_head, page);
+                tma_prefetch_l2(&p.tmap_k, sub * 64, slot, kv_head, page[b]);
+                tma_prefetch_l2(&p.tmap_v, sub * 64, slot, kv_head, page[b]);
             }
         }
     } else {
@@ -260,17 +271,38 @@ __device__ __forceinline__ void flash_decode(const P& p) {
     // the page size and BLOCK_N); `page` is its page id, read one block ahead so the table's latency
     // stays off the issue path; a run wholly past the length is not issued (its id may be garbage).
     // Rows past the length inside an issued box land too: the block's wait zeroes V there.
+    // Both walk the blocks in order (tma_page from block 0 one ahead of load_kv_tma), each with a cursor on
+    // this lane's box: its page (index into the sequence's page-table row) and slot, stepped a block at a
+    // time rather than divided out per block (page sizes are any 1..256): the two divisions were ~50 of
+    // warp 0's refill instructions, which the other warps then waited for at the loop's barrier.
+    struct PageCursor {
+        int page, slot;
+    };
+    const int page_size = PAGED ? p.page_size : 1, step_pages = BLOCK_N / page_size, step_slots = BLOCK_N % page_size;
+    const int box0 = n_begin * BLOCK_N + lane * tma_box_rows(p);  // this lane's first key
+    PageCursor id_at{box0 / page_size, box0 % page_size}, load_at = id_at;
+    auto advance = [&](PageCursor& c) {
+        c.page += step_pages;
+        c.slot += step_slots;
+        if (c.slot >= page_size) {
+            c.slot -= page_size;
+            ++c.page;
+        }
+    };
     auto tma_page = [&](int it) {
         const int rows = tma_box_rows(p), n = (n_begin + it) * BLOCK_N + lane * rows;
+        const PageCursor at = id_at;  // block `it`'s
+        advance(id_at);
         if (!PAGED || it >= n_blocks || lane * rows >= BLOCK_N || n >= Sk) return -1;
-        return p.page_table[(i64)batch * p.pt_sb + n / p.page_size];
+        return p.page_table[(i64)batch * p.pt_sb + at.page];
     };
     auto load_kv_tma = [&](int it, int page) {
         if constexpr (TMA) {  // a cp.async plan's parameters have no tensor maps
             const int stage = it % NUM_STAGES, n0 = (n_begin + it) * BLOCK_N;
             const u32 dk = sKV + 2 * stage * KV_TILE_BYTES, dv = dk + KV_TILE_BYTES, bar = bars + 8 * stage;
             if constexpr (PAGED) {
-                const int rows = p.box_rows, n = n0 + lane * rows;
+                const int rows = p.box_rows, n = n0 + lane * rows, slot = load_at.slot;  // block `it`'s
+                advance(load_at);
                 const bool listed = lane * rows < BLOCK_N && n < Sk;
                 const bool in = listed && (unsigned)page < (unsigned)p.num_pages;
                 bad |= listed && !in;  // a bad page id is never followed: the sequence's rows become NaN
@@ -278,7 +310,6 @@ __device__ __forceinline__ void flash_decode(const P& p) {
                 if (lane == 0) mbar_expect_tx(bar, boxes * rows * 128 * SUBTILES * 2);
                 __syncwarp();  // the bytes are announced before any box can complete
                 if (in) {
-                    const int slot = n % p.page_size;
 #pragma unroll
                     for (int sub = 0; sub < SUBTILES; ++sub) {
                         tma_load(dk + sub * SUBTILE_BYTES + lane * rows * 128, &p.tmap_k, bar, sub * 64, slot, kv_head, page);
