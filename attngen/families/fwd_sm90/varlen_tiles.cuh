@@ -67,17 +67,27 @@ __device__ void build(const FwdSm90Params& p) {
     __shared__ int first_tile[BUILD_THREADS + 1];
     __shared__ int warp_totals[32];
     __shared__ int carry[2];  // the ranges' ends so far: rows, keys
+    // The current chunk's segments and the two gaps' (the global table is read back only across chunks):
+    // each read back from global memory was a dependent round trip of the build, which the forward
+    // kernel waits for (docs/perf-notes.md "The tile builder's round trips").
+    __shared__ int4 chunk_seg[BUILD_THREADS];
+    __shared__ int4 gaps[2];
     const int tid = threadIdx.x;
     const int n = p.num_seqs;
     int4* seg = fa90::segments(p);
     int2* list = fa90::tile_list(p);
     auto add = [](int a, int b) { return a + b; };
     auto maximum = [](int a, int b) { return max(a, b); };
+    auto q_end_of = [&](int s) { return s < n ? p.in_cu_seqlens_q[(long long)(s + 1) * p.in_cu_seqlens_q_s0] : 0; };
+    auto k_end_of = [&](int s) { return s < n ? p.in_cu_seqlens_k[(long long)(s + 1) * p.in_cu_seqlens_k_s0] : 0; };
+    // The first chunk's ends are requested together with the first start: one round trip for both.
+    const int first_q_end = q_end_of(tid), first_k_end = k_end_of(tid);
     for (int i = tid; i < WORK_BUCKETS; i += BUILD_THREADS) count[i] = 0;
     if (tid == 0) {
         carry[0] = min(max(p.in_cu_seqlens_q[0], 0), p.Sq);
         carry[1] = min(max(p.in_cu_seqlens_k[0], 0), p.Sk);
-        seg[0] = make_int4(0, carry[0], 0, 0);  // rows before the first sequence: no key
+        gaps[0] = make_int4(0, carry[0], 0, 0);  // rows before the first sequence: no key
+        seg[0] = gaps[0];
     }
     __syncthreads();
 #pragma unroll 1
@@ -95,8 +105,8 @@ __device__ void build(const FwdSm90Params& p) {
             const int s = c + tid;
             int4 mine = make_int4(0, 0, 0, 0);
             if (pass == 0) {
-                const int q_end = s < n ? p.in_cu_seqlens_q[(long long)(s + 1) * p.in_cu_seqlens_q_s0] : 0;
-                const int k_end = s < n ? p.in_cu_seqlens_k[(long long)(s + 1) * p.in_cu_seqlens_k_s0] : 0;
+                const int q_end = c == 0 ? first_q_end : q_end_of(s);
+                const int k_end = c == 0 ? first_k_end : k_end_of(s);
                 int total;
                 const int q1 = min(max(block_scan(q_end, maximum, warp_totals, total), carry[0]), p.Sq);
                 const int k1 = min(max(block_scan(k_end, maximum, warp_totals, total), carry[1]), p.Sk);
@@ -115,9 +125,12 @@ __device__ void build(const FwdSm90Params& p) {
                     carry[0] = q1;
                     carry[1] = k1;
                 }
+            } else if (n <= BUILD_THREADS) {
+                mine = chunk_seg[tid];  // one chunk: still there from pass 0
             } else if (s < n) {
                 mine = seg[1 + s];
             }
+            chunk_seg[tid] = mine;  // read by the tile loop below, after the scan's barriers
             int chunk_tiles;
             const int blocks = s < n ? query_blocks(mine.y) : 0;
             first_tile[tid + 1] = block_scan(blocks, add, warp_totals, chunk_tiles);
@@ -131,7 +144,7 @@ __device__ void build(const FwdSm90Params& p) {
                     if (first_tile[mid] <= e) lo = mid; else hi = mid;
                 }
                 const int m_block = e - first_tile[lo];
-                const int bucket = bucket_of(work_of(p, seg[1 + c + lo], m_block));
+                const int bucket = bucket_of(work_of(p, chunk_seg[lo], m_block));
                 if (pass == 0) {
                     atomicAdd(&count[bucket], 1);
                 } else {
@@ -142,14 +155,14 @@ __device__ void build(const FwdSm90Params& p) {
             __syncthreads();
         }
         // The rows before the first sequence and after the last: no key, the least work.
-        if (tid == 0) {
-            if (pass == 0) seg[n + 1] = make_int4(carry[0], p.Sq - carry[0], carry[1], 0);
-            __threadfence_block();
+        if (tid == 0 && pass == 0) {
+            gaps[1] = make_int4(carry[0], p.Sq - carry[0], carry[1], 0);
+            seg[n + 1] = gaps[1];
         }
         __syncthreads();
         for (int g = 0; g < 2; ++g) {
             const int which = g == 0 ? 0 : n + 1;
-            const int4 gap = seg[which];
+            const int4 gap = gaps[g];
             for (int m = tid; m < query_blocks(gap.y); m += BUILD_THREADS) {
                 const int slot = atomicAdd(&count[bucket_of(0)], 1);
                 if (pass == 1 && slot < p.m_blocks) list[slot] = make_int2(which, m);
