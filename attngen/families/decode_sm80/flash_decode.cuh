@@ -116,7 +116,7 @@ __device__ __forceinline__ Span split_span(const P& p, const mask::Bounds& bound
 // stale line there), and TMA drops boxes outside the tensor, so a stale or bad page id fetches nothing
 // or a wasted box, never a fault. L2 is where the GPU's writes meet, so a prefetched line the previous
 // kernel writes afterwards is not stale. Measured (docs/perf-notes.md "Paged blocks into L2 before the
-// wait"): paged calls behind an ordinary kernel 1.1-1.6% faster, back to back unchanged; the contiguous
+// wait"): paged calls behind an ordinary kernel 0.7-1.8% faster, back to back unchanged; the contiguous
 // cache (no page-id round trip to hide) gained nothing and is not prefetched. Masks whose bounds read
 // runtime inputs (not PURE) are not prefetched either.
 constexpr int PREFETCH_BLOCKS = NUM_STAGES;
