@@ -103,7 +103,8 @@ def main() -> None:
                 us = _graph_ms(call, calls=40 if name.startswith("graph") else 20) * 1e3
                 emit(case=name, build=build, mode="between" if between else "back-to-back", us=us,
                      tbps=nbytes / us / 1e6)
-            emit(case=name, build=build, mode="idle", us=_idle_us(fn), tbps=0.0)
+            us = _idle_us(fn)
+            emit(case=name, build=build, mode="idle", us=us, tbps=nbytes / us / 1e6)
         use_header(None)
         torch.cuda.empty_cache()
 

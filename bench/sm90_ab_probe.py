@@ -6,6 +6,7 @@ buffers).
 
     git show HEAD:attngen/families/fwd_sm90/flash_fwd_sm90.cuh > .ab/base.cuh
     PYTHONPATH=. python bench/sm90_ab_probe.py --base .ab/base.cuh [--rounds 2] [CASE ...]
+    PYTHONPATH=. python bench/sm90_ab_probe.py --ordinary [--rounds 2] [CASE ...]   (early launch behind set-up, or not)
     PYTHONPATH=. python bench/sm90_ab_probe.py --configs [--rounds 2] [CASE ...]
 
 One line per case: milliseconds and TFLOP/s (visible pairs only for masks) per round and build."""

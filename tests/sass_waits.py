@@ -11,8 +11,9 @@ GLOBAL_ACCESS = re.compile(r"\b(LDG|STG|LDGSTS|UTMALDG|UTMASTG|UBLKCP|RED|ATOM|A
 # not be found in L1 after it) and L2 prefetches (UTMAPF, never a fault: TMA drops what is out of bounds).
 HINT_READ = re.compile(r"\bLDG\.E(\.\d+)?\.STRONG\.GPU\b")
 ADDRESS = re.compile(r"/\*([0-9a-f]{4,})\*/")
-# "/*02c0*/  @!P0 BRA 0xe70 ;": a branch's address and its target.
-BRANCH = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA(?:\.[\w.]+)?\s+(0x[0-9a-f]+)")
+# "/*02c0*/  @!P0 BRA 0xe70 ;" or "BRA.U !UP0, 0xe70": a branch's address and its target, the predicate
+# before the opcode or as its first operand.
+BRANCH = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA(?:\.[\w.]+)?\s+(?:!?U?P\w+,\s*)?(0x[0-9a-f]+)")
 
 
 def functions(sass: str) -> dict[str, str]:

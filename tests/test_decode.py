@@ -6,7 +6,6 @@ and the forward front door refuses a decode family."""
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import sass_waits
