@@ -11,7 +11,7 @@ shuffled), and the bench's graph step at 1 x 4096 (paged, caches rotated past L2
 
     git show HEAD:attngen/families/decode_sm80/flash_decode.cuh > .ab/decode-base.cuh
     PYTHONPATH=. python bench/decode_prefetch_probe.py --header base=.ab/decode-base.cuh [--rounds 2]
-        [--shapes 1x32768,8x8192] [--out FILE.jsonl]
+        [--shapes 1x32768,8x8192] [--config m16n64w4s3t] [--out FILE.jsonl]
 
 One JSON line per measurement: us per call, TB/s = K and V bytes / time."""
 from __future__ import annotations
@@ -26,8 +26,9 @@ from attngen.bench_decode import GRAPH_SHAPE, HEAD_DIM, HEADS_KV, HEADS_Q, SHAPE
 from decode_paged_probe import json_lines, use_header
 
 
-def cases(shapes: list[tuple[int, int]]):
-    """(name, bytes read per call, step function) for each shape and layout, then the rotated graph step."""
+def cases(shapes: list[tuple[int, int]], spec=None):
+    """(name, bytes read per call, step function) for each shape and layout, then the rotated graph step
+    (`spec`: a decode spec pinning a config, or None for the default)."""
     gen = torch.Generator().manual_seed(0)
     for batch, seqlen in shapes:
         q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -35,8 +36,9 @@ def cases(shapes: list[tuple[int, int]]):
         v = torch.randn_like(k)
         lens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
         kp, vp, table = _paged(k, v, gen)
-        yield f"{batch}x{seqlen}", 2 * k.numel() * 2, lambda: attngen.decode(q, k, v, lens)
-        yield f"{batch}x{seqlen}-paged", 2 * k.numel() * 2, lambda: attngen.decode(q, kp, vp, lens, page_table=table)
+        yield f"{batch}x{seqlen}", 2 * k.numel() * 2, lambda: attngen.decode(q, k, v, lens, spec=spec)
+        yield f"{batch}x{seqlen}-paged", 2 * k.numel() * 2, lambda: attngen.decode(q, kp, vp, lens, page_table=table,
+                                                                                 spec=spec)
         del q, k, v, kp, vp, table
     batch, seqlen = GRAPH_SHAPE
     nbytes = 2 * batch * seqlen * HEADS_KV * HEAD_DIM * 2
@@ -51,7 +53,7 @@ def cases(shapes: list[tuple[int, int]]):
 
     def step():
         q, kp, vp, lens, table = steps[next(turn) % count]
-        return attngen.decode(q, kp, vp, lens, page_table=table)
+        return attngen.decode(q, kp, vp, lens, page_table=table, spec=spec)
     yield f"graph-step-{batch}x{seqlen}-paged", nbytes, step
 
 
@@ -83,6 +85,7 @@ def main() -> None:
     parser.add_argument("--header", action="append", default=[], metavar="NAME=FILE")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per build, alternating (ABBA...)")
     parser.add_argument("--shapes", default=",".join(f"{b}x{s}" for b, s in SHAPES))
+    parser.add_argument("--config", help="a decode_sm80 config label to pin (default: the family's choice)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     emit = json_lines(args.out.open("w") if args.out else None)
@@ -91,7 +94,12 @@ def main() -> None:
     emit(gpu=torch.cuda.get_device_name(0), copy_tbps=_copy_bandwidth())
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     small = torch.zeros(1024, device="cuda")
-    for name, nbytes, fn in cases(shapes):
+    spec = None
+    if args.config:
+        from attngen.families.decode_sm80.family import DecodeConfig
+        spec = attngen.AttentionSpec(head_dim=HEAD_DIM, gqa_ratio=HEADS_Q // HEADS_KV, family="decode_sm80",
+                                     config=DecodeConfig.from_label(args.config).to_dict())
+    for name, nbytes, fn in cases(shapes, spec):
         for build, text in order:
             use_header(text)
             for between in (False, True):

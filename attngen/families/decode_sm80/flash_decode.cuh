@@ -108,35 +108,60 @@ __device__ __forceinline__ Span split_span(const P& p, const mask::Bounds& bound
     return {all_begin + begin, end - begin};
 }
 
-// Paged, launched early (sm_90): the CTA may start while the kernel before it still runs (the previous
-// decode step's combine, or any kernel that lets its dependents start, even only at its end): warp 0
-// then reads the first page ids and asks L2 for the first blocks the ring will load, so that the loads
-// issued after pdl_wait find them there. A hint only, so it may run before the wait: what it reads (the
-// length, the page ids) may still change, so it reads past L1 (the reads after the wait must not find a
-// stale line there), and TMA drops boxes outside the tensor, so a stale or bad page id fetches nothing
-// or a wasted box, never a fault. L2 is where the GPU's writes meet, so a prefetched line the previous
-// kernel writes afterwards is not stale. Measured (docs/perf-notes.md "Paged blocks into L2 before the
-// wait"): paged calls behind an ordinary kernel 0.7-1.8% faster, back to back unchanged; the contiguous
-// cache (no page-id round trip to hide) gained nothing and is not prefetched. Masks whose bounds read
-// runtime inputs (not PURE) are not prefetched either.
-constexpr int PREFETCH_BLOCKS = NUM_STAGES;
+// Paged TMA plans launched early (sm_90): the CTA may start while the kernel before it still runs (the
+// previous decode step's combine, or any kernel that lets its dependents start, even only at its end).
+// Before its wait, warp 0 reads the length and the ring's first page ids as hints, past L1 (the reads
+// after the wait must not find a stale line there), for two uses:
+//
+// Blocks into L2 (prefetch_first_blocks): it asks L2 for the ring's first blocks
+// (`cp.async.bulk.prefetch.tensor.L2`; TMA drops boxes outside the tensor, so a stale or bad id fetches
+// nothing or a wasted box, never a fault), so that the loads after the wait find them there; L2 is where
+// the GPU's writes meet, so a prefetched line the previous kernel writes afterwards is not stale.
+//
+// Guessed page-id places (PageGuess). The paged CTA's start had one round trip more than the contiguous
+// cache's: the length, then the ring's first page ids, then the first boxes. The ids' places follow from
+// the split's span, which follows from the length: taken from the hinted length, they let the ids be
+// read right after the wait, beside the length, instead of after it. Only the places come from the hint;
+// the ids are read after the wait, and they stand only where the length read there gives the same span
+// (a length that moved by a token mostly does not). Every place below the capacity lies inside the
+// sequence's page-table row, whatever the hint.
+//
+// Measured: docs/perf-notes.md "Guessed page ids" (and its correction of "Paged blocks into L2 before the
+// wait", whose timings were of cp.async kernels). Not in cp.async plans (the default): there a hinted
+// length adds its own round trip and ~300 instructions before the wait, paid in full by a CTA that starts
+// only as the kernel before it ends, and the trial's gains back to back were within the probe's spread.
+// Nor for masks whose bounds read runtime inputs (not PURE).
+struct PageGuess {
+    Span span;               // the split's span by the hinted length; begin -1: no guess
+    int index[NUM_STAGES];   // the entry of the sequence's page-table row this lane reads per block, or -1
+};
+__device__ __forceinline__ PageGuess no_guess() {
+    PageGuess guess;
+    guess.span = {-1, 0};
+#pragma unroll
+    for (int b = 0; b < NUM_STAGES; ++b) guess.index[b] = -1;
+    return guess;
+}
 template <class P>
-__device__ __forceinline__ void prefetch_first_blocks(const P& p, int batch, int kv_head, int r0, int split, int lane) {
+__device__ __forceinline__ PageGuess prefetch_first_blocks(const P& p, int batch, int kv_head, int r0, int split, int lane) {
+    PageGuess guess = no_guess();
     if constexpr (TMA && PAGED && mask::PURE) {
         const int n = __ldcg(p.seqlens + batch);
-        if (n < 0 || n > p.capacity) return;
-        const Span span = split_span(p, cta_bounds(p, n, batch, kv_head, r0), split);
-        const int rows = p.box_rows, first = span.begin * BLOCK_N + lane * rows;  // lane j: a block's j-th box
-        bool in[PREFETCH_BLOCKS];
-        int page[PREFETCH_BLOCKS];
+        if (n < 0 || n > p.capacity) return guess;
+        guess.span = split_span(p, cta_bounds(p, n, batch, kv_head, r0), split);
+        const int rows = p.box_rows, first = guess.span.begin * BLOCK_N + lane * rows;  // lane j: a block's j-th box
+        bool in[NUM_STAGES];
+        int page[NUM_STAGES];
 #pragma unroll
-        for (int b = 0; b < PREFETCH_BLOCKS; ++b) {  // every id requested before any is used
+        for (int b = 0; b < NUM_STAGES; ++b) {  // every id requested before any is used
             const int key = first + b * BLOCK_N;
-            in[b] = b < span.blocks && lane * rows < BLOCK_N && key < n;
-            page[b] = in[b] ? __ldcg(p.page_table + (i64)batch * p.pt_sb + key / p.page_size) : 0;
+            const bool listed = b < guess.span.blocks && lane * rows < BLOCK_N && key < p.capacity;
+            guess.index[b] = listed ? key / p.page_size : -1;
+            in[b] = listed && key < n;
+            page[b] = in[b] ? __ldcg(p.page_table + (i64)batch * p.pt_sb + guess.index[b]) : 0;
         }
 #pragma unroll
-        for (int b = 0; b < PREFETCH_BLOCKS; ++b) {
+        for (int b = 0; b < NUM_STAGES; ++b) {
             if (!in[b]) continue;
             const int slot = (first + b * BLOCK_N) % p.page_size;
 #pragma unroll
@@ -148,6 +173,7 @@ __device__ __forceinline__ void prefetch_first_blocks(const P& p, int batch, int
     } else {
         (void)p; (void)batch; (void)kv_head; (void)r0; (void)split; (void)lane;
     }
+    return guess;
 }
 
 // A template so that the TMA branches (`if constexpr (TMA)`), which name the tensor maps, are
@@ -168,11 +194,16 @@ __device__ __forceinline__ void flash_decode(const P& p) {
     const int Sq = p.Sq, rows = Sq * GQA_RATIO;
     const int row_tiles = (rows + BLOCK_M - 1) / BLOCK_M;
     const int kv_head = blockIdx.x / row_tiles, r0 = (blockIdx.x % row_tiles) * BLOCK_M;
-    if (tma && warp == 0) prefetch_first_blocks(p, batch, kv_head, r0, split, lane);
+    PageGuess guess = no_guess();
+    if (tma && warp == 0) guess = prefetch_first_blocks(p, batch, kv_head, r0, split, lane);
     // Launched early (sm_90: family.py launches): the CTA was scheduled while the kernel before it in the
     // stream finished; every read of an input and every write waits for that kernel's writes here.
     pdl_wait();
     const int len = cache_len(p, batch);
+    int guessed_ids[NUM_STAGES];  // paged TMA, warp 0: the guessed entries' ids, read beside the length
+#pragma unroll
+    for (int b = 0; b < NUM_STAGES; ++b)
+        guessed_ids[b] = PAGED && guess.index[b] >= 0 ? p.page_table[(i64)batch * p.pt_sb + guess.index[b]] : -1;
     bool bad = len < 0;
     const int Sk = bad ? 0 : len;
     const float score_log2 = score::MODIFIED ? LOG2E : p.scale_log2;
@@ -180,6 +211,9 @@ __device__ __forceinline__ void flash_decode(const P& p) {
     const mask::Bounds bounds = cta_bounds(p, Sk, batch, kv_head, r0);
     const Span span = split_span(p, bounds, split);
     const int n_begin = span.begin, n_blocks = span.blocks;
+    // Paged TMA: the guessed page ids stand where the length gives the hint's span: the same table entries
+    // then (a box past the length is dropped by tma_page either way).
+    const bool guessed = PAGED && guess.span.begin == n_begin && guess.span.blocks == n_blocks;
 
     const elem_t* k_head = p.k + kv_head * p.k_sh;
     const elem_t* v_head = p.v + kv_head * p.v_sh;
@@ -289,12 +323,12 @@ __device__ __forceinline__ void flash_decode(const P& p) {
             ++c.page;
         }
     };
-    auto tma_page = [&](int it) {
+    auto tma_page = [&](int it, bool guessed = false, int guessed_id = -1) {  // guessed: the id already read
         const int rows = tma_box_rows(p), n = (n_begin + it) * BLOCK_N + lane * rows;
         const PageCursor at = id_at;  // block `it`'s
         advance(id_at);
         if (!PAGED || it >= n_blocks || lane * rows >= BLOCK_N || n >= Sk) return -1;
-        return p.page_table[(i64)batch * p.pt_sb + at.page];
+        return guessed ? guessed_id : p.page_table[(i64)batch * p.pt_sb + at.page];
     };
     auto load_kv_tma = [&](int it, int page) {
         if constexpr (TMA) {  // a cp.async plan's parameters have no tensor maps
@@ -342,7 +376,7 @@ __device__ __forceinline__ void flash_decode(const P& p) {
             __syncwarp();
             int pages[NUM_STAGES];
 #pragma unroll
-            for (int s = 0; s < NUM_STAGES; ++s) pages[s] = tma_page(s);
+            for (int s = 0; s < NUM_STAGES; ++s) pages[s] = tma_page(s, guessed, guessed_ids[s]);
 #pragma unroll
             for (int s = 0; s < NUM_STAGES; ++s)
                 if (s < n_blocks) load_kv_tma(s, pages[s]);
