@@ -191,67 +191,87 @@ def test_bad_lengths_and_page_ids_poison_only_their_sequence(loads):
 
 
 # One CTA that lets the next kernel in the stream start at once (griddepcontrol.launch_dependents), spins
-# `delay` clock cycles, then copies three int32 buffers: a kernel before an early-launched decode writing
-# the decode's inputs after the split kernel's CTAs may have started (and read their hints).
+# `delay` clock cycles, then copies three int32 buffers and last sets a flag in pinned host memory: a kernel
+# before an early-launched decode writing the decode's inputs after the split kernel's CTAs may have started
+# (and read their hints).
 LATE_WRITER = r"""
 extern "C" __global__ void late_write(int* d0, const int* s0, int n0, int* d1, const int* s1, int n1,
-                                      int* d2, const int* s2, int n2, long long delay) {
+                                      int* d2, const int* s2, int n2, long long delay, volatile int* done) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const long long t0 = clock64();
     while (clock64() - t0 < delay) {}
     for (int i = threadIdx.x; i < n0; i += blockDim.x) d0[i] = s0[i];
     for (int i = threadIdx.x; i < n1; i += blockDim.x) d1[i] = s1[i];
     for (int i = threadIdx.x; i < n2; i += blockDim.x) d2[i] = s2[i];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        *done = 1;
+    }
 }
 """
 
 
-@pytest.mark.parametrize("span", ["moves", "stays"])
+@pytest.mark.parametrize("page", [64, 16, 256, 100])
+@pytest.mark.parametrize("lengths", ["move", "grow", "stay"])
 @pytest.mark.parametrize("loads", LOADS)
-def test_a_split_kernel_started_early_sees_what_the_kernel_before_it_writes_late(loads, span):
+def test_a_split_kernel_started_early_sees_what_the_kernel_before_it_writes_late(loads, lengths, page):
     """On sm_90 the split kernel is a programmatic dependent launch: it may start while the kernel before it
     runs, and a paged TMA plan reads the length and page ids there as hints (L2 prefetches, guessed id
     places). A kernel that lets it start at once and only then writes new lengths, a new page table and one
-    page's keys must have all of them seen: with lengths whose split spans differ from the hinted ones
-    ("moves") and with the same lengths and new page ids ("stays")."""
-    import cupy
+    page's keys must have all of them seen: lengths whose split spans differ from the hinted ones ("move"),
+    longer ones with the same spans ("grow": the ids past the old length come from the guess's reads), the
+    same lengths ("stay"); boxes of a whole block (pages of 64, 256) or a quarter (16), and pages of 100,
+    whose boxes would be too small, so a TMA plan takes cp.async for the call."""
+    cupy = pytest.importorskip("cupy")
+    pytest.importorskip("cuda.bindings")  # without it the launch is an ordinary one (attngen/runtime/launch.py)
     import numpy as np
     import torch
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launches need sm_90")
     spec = _loads_spec(loads, head_dim=128, gqa_ratio=4)
-    B, Hkv, page = 2, 8, 64
+    B, Hkv = 2, 8
     k, v, table = make_cache(B, 4096, Hkv, 128, page, seed=21)
     gen = torch.Generator(device="cpu").manual_seed(22)
-    old_lens = torch.tensor([1000, 3000], dtype=torch.int32, device="cuda")
-    new_lens = old_lens.clone() if span == "stays" else torch.tensor([4096, 2049], dtype=torch.int32, device="cuda")
+    old = [1000, 3000]
+    new = {"move": [4096, 2049], "grow": [1020, 3007], "stay": old}[lengths]  # grow: 16 and 47 blocks of 64 still
+    old_lens, new_lens = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (old, new))
     # The new table: the same pages (no sequence lists the NaN spare) in another order.
     new_table = table.flatten()[torch.randperm(table.numel(), generator=gen).cuda()].reshape(table.shape).contiguous()
     new_page = torch.randn(page, Hkv, 128, generator=gen).to(torch.bfloat16).cuda()
     target = int(new_table[0, 0])  # sequence 0's first page gets new keys
     q = _q(B, 1, 4 * Hkv, 128, 23)
+    late = cupy.RawKernel(LATE_WRITER, "late_write")
+    done = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # mapped: the device writes it through UVA
+    stream = torch.cuda.Stream()  # not the legacy default stream
     for num_splits in (None, 1, 5):
-        lens, tab = old_lens.clone(), table.clone()
-        kk = k.clone()
-        attngen.decode(q, kk, v, lens, page_table=tab, spec=spec, num_splits=num_splits)  # compiled and loaded
-        torch.cuda.synchronize()
-        late = cupy.RawKernel(LATE_WRITER, "late_write")
-        dst_page = kk[target].view(torch.int32)
-        args = (cupy.asarray(lens), cupy.asarray(new_lens), np.int32(B), cupy.asarray(tab), cupy.asarray(new_table),
-                np.int32(tab.numel()), cupy.asarray(dst_page), cupy.asarray(new_page.view(torch.int32)),
-                np.int32(dst_page.numel()), np.int64(200_000))
-        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            late((1,), (256,), args)
-        out, lse = attngen.decode(q, kk, v, lens, page_table=tab, spec=spec, num_splits=num_splits, return_lse=True)
-        torch.cuda.synchronize()
+        lens, tab, kk = old_lens.clone(), table.clone(), k.clone()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            attngen.decode(q, kk, v, lens, page_table=tab, spec=spec, num_splits=num_splits)  # compiled and loaded
+            stream.synchronize()
+            done.zero_()
+            dst_page = kk[target].view(torch.int32)
+            args = (cupy.asarray(lens), cupy.asarray(new_lens), np.int32(B), cupy.asarray(tab),
+                    cupy.asarray(new_table), np.int32(tab.numel()), cupy.asarray(dst_page),
+                    cupy.asarray(new_page.view(torch.int32)), np.int32(dst_page.numel()), np.int64(20_000_000),
+                    np.uint64(done.data_ptr()))
+            with cupy.cuda.ExternalStream(stream.cuda_stream):
+                late((1,), (256,), args)
+            out, lse = attngen.decode(q, kk, v, lens, page_table=tab, spec=spec, num_splits=num_splits,
+                                      return_lse=True)
+            enqueued_while_writing = int(done[0]) == 0
+            stream.synchronize()
+        assert enqueued_while_writing, "the writer (~10 ms) ended before the decode was launched: nothing tested"
+        assert int(done[0]) == 1
         assert torch.equal(lens, new_lens) and torch.equal(tab, new_table) and torch.equal(kk[target], new_page)
         ref, ref_lse = reference.decode_attention(q, kk, v, new_lens.cpu(), spec, page_table=new_table.cpu())
         for b in range(B):
             kb, vb = (reference.gather_cache(t, new_table, b, int(new_lens[b])) for t in (kk, v))
             bad = tolerance.check_output(out[b:b + 1], ref[b:b + 1], q[b:b + 1], kb, vb, "bf16", spec.effective_scale) \
                 or tolerance.check_lse(lse[b:b + 1], ref_lse[b:b + 1], q[b:b + 1], kb, spec.effective_scale)
-            assert bad is None, f"{spec.name}, splits {num_splits}, sequence {b}: {bad}"
+            assert bad is None, f"{spec.name}, pages of {page}, splits {num_splits}, sequence {b}: {bad}"
 
 
 def test_a_decode_step_replays_from_a_cuda_graph():
