@@ -11,7 +11,7 @@ shuffled), and the bench's graph step at 1 x 4096 (paged, caches rotated past L2
 
     git show HEAD:attngen/families/decode_sm80/flash_decode.cuh > .ab/decode-base.cuh
     PYTHONPATH=. python bench/decode_prefetch_probe.py --header base=.ab/decode-base.cuh [--rounds 2]
-        [--shapes 1x32768,8x8192] [--config m16n64w4s3t] [--out FILE.jsonl]
+        [--shapes 1x32768,8x8192] [--config m16n64w4s3t] [--control] [--out FILE.jsonl]
 
 One JSON line per measurement: us per call, TB/s = K and V bytes / time."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 import attngen
 from attngen.bench_decode import GRAPH_SHAPE, HEAD_DIM, HEADS_KV, HEADS_Q, SHAPES, _copy_bandwidth, _graph_ms, _paged
-from decode_paged_probe import json_lines, use_header
+from decode_paged_probe import HEADER, json_lines, use_header
 
 
 def cases(shapes: list[tuple[int, int]], spec=None):
@@ -86,10 +86,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds per build, alternating (ABBA...)")
     parser.add_argument("--shapes", default=",".join(f"{b}x{s}" for b, s in SHAPES))
     parser.add_argument("--config", help="a decode_sm80 config label to pin (default: the family's choice)")
+    parser.add_argument("--control", action="store_true",
+                        help="also an A/A build: the tree's header with a comment appended (compiled apart, same "
+                             "kernels), for the spread between builds and places in the order")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     emit = json_lines(args.out.open("w") if args.out else None)
     builds = [("tree", None), *((name, Path(path).read_text()) for name, path in (h.split("=", 1) for h in args.header))]
+    if args.control:
+        builds.append(("control", HEADER.read_text() + "\n// A/A control: the tree's header, compiled apart\n"))
     order = [b for r in range(args.rounds) for b in (builds if r % 2 == 0 else builds[::-1])]
     emit(gpu=torch.cuda.get_device_name(0), copy_tbps=_copy_bandwidth())
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
