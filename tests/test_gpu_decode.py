@@ -245,7 +245,9 @@ def test_a_split_kernel_started_early_sees_what_the_kernel_before_it_writes_late
     late = cupy.RawKernel(LATE_WRITER, "late_write")
     done = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # mapped: the device writes it through UVA
     stream = torch.cuda.Stream()  # not the legacy default stream
-    for num_splits in (None, 1, 5):
+    # 8 splits: sequence 0's last split is its blocks 14-15, both in the ring's first loads, so under "grow"
+    # the ids of keys 1000-1019 come from the guess's reads.
+    for num_splits in (None, 1, 8):
         lens, tab, kk = old_lens.clone(), table.clone(), k.clone()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
