@@ -129,7 +129,7 @@ __device__ __forceinline__ Span split_span(const P& p, const mask::Bounds& bound
 // Measured: docs/perf-notes.md "Guessed page ids" (and its correction of "Paged blocks into L2 before the
 // wait", whose timings were of cp.async kernels). Not in cp.async plans (the default): there a hinted
 // length adds its own round trip and ~300 instructions before the wait, paid in full by a CTA that starts
-// only as the kernel before it ends, and the trial's gains back to back were within the probe's spread.
+// only as the kernel before it ends: the trial gained back to back and lost behind an ordinary kernel.
 // Nor for masks whose bounds read runtime inputs (not PURE).
 struct PageGuess {
     Span span;               // the split's span by the hinted length; begin -1: no guess
@@ -323,12 +323,12 @@ __device__ __forceinline__ void flash_decode(const P& p) {
             ++c.page;
         }
     };
-    auto tma_page = [&](int it, bool guessed = false, int guessed_id = -1) {  // guessed: the id already read
+    auto tma_page = [&](int it, bool use_guess = false, int guessed_id = -1) {  // use_guess: the id already read
         const int rows = tma_box_rows(p), n = (n_begin + it) * BLOCK_N + lane * rows;
         const PageCursor at = id_at;  // block `it`'s
         advance(id_at);
         if (!PAGED || it >= n_blocks || lane * rows >= BLOCK_N || n >= Sk) return -1;
-        return guessed ? guessed_id : p.page_table[(i64)batch * p.pt_sb + at.page];
+        return use_guess ? guessed_id : p.page_table[(i64)batch * p.pt_sb + at.page];
     };
     auto load_kv_tma = [&](int it, int page) {
         if constexpr (TMA) {  // a cp.async plan's parameters have no tensor maps
