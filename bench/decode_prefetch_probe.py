@@ -24,6 +24,7 @@ import torch
 import attngen
 from attngen.bench_decode import GRAPH_SHAPE, HEAD_DIM, HEADS_KV, HEADS_Q, SHAPES, _copy_bandwidth, _graph_ms, _paged
 from decode_paged_probe import HEADER, json_lines, use_header
+from decode_step_timeline import rotated_steps
 
 
 def cases(shapes: list[tuple[int, int]], spec=None):
@@ -42,13 +43,8 @@ def cases(shapes: list[tuple[int, int]], spec=None):
         del q, k, v, kp, vp, table
     batch, seqlen = GRAPH_SHAPE
     nbytes = 2 * batch * seqlen * HEADS_KV * HEAD_DIM * 2
-    count = max(2, -(-3 * torch.cuda.get_device_properties(0).L2_cache_size // nbytes))
-    steps = []
-    for _ in range(count):  # one cache per step, so no step finds its cache in L2 (as bench_graph)
-        k = torch.randn(batch, seqlen, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        kp, vp, table = _paged(k, torch.randn_like(k), gen)
-        q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        steps.append((q, kp, vp, torch.full((batch,), seqlen, dtype=torch.int32, device="cuda"), table))
+    steps = rotated_steps(batch, seqlen, True, gen)  # one cache per step, none found in L2 (as bench_graph)
+    count = len(steps)
     turn = iter(range(10**9))
 
     def step():

@@ -17,9 +17,12 @@ import attngen
 from attngen.bench_decode import GRAPH_SHAPE, HEAD_DIM, HEADS_KV, HEADS_Q, _graph_ms, _paged
 
 
-def steps_for(count: int, batch: int, seqlen: int, paged: bool, gen: torch.Generator):
+def rotated_steps(batch: int, seqlen: int, paged: bool, gen: torch.Generator) -> list:
+    """(q, k cache, v cache, lengths, page table or None) for as many decode steps as it takes for their
+    caches to fill three times L2 (at least two), as the bench's graph step: no step finds its cache in L2."""
+    nbytes = 2 * batch * seqlen * HEADS_KV * HEAD_DIM * 2
     out = []
-    for _ in range(count):
+    for _ in range(max(2, -(-3 * torch.cuda.get_device_properties(0).L2_cache_size // nbytes))):
         k = torch.randn(batch, seqlen, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         kp, vp, table = _paged(k, v, gen) if paged else (k, v, None)
@@ -68,20 +71,40 @@ def summarise(ks: list) -> dict:
     return {k: round(statistics.median(v), 2) for k, v in rows.items() if v}
 
 
+def shape(text: str) -> tuple[int, int]:
+    try:
+        batch, seqlen = (int(x) for x in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: allowed: BATCHxTOKENS, e.g. 1x32768") from None
+    if batch < 1 or seqlen < 1:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: allowed: a batch and a token count of at least 1")
+    return batch, seqlen
+
+
+def split_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        counts = [0]
+    if any(c < 1 for c in counts):
+        raise argparse.ArgumentTypeError(f"--splits {text!r}: allowed: positive integers separated by commas")
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--splits", default="", help="split counts to force, after the default")
-    parser.add_argument("--shape", default="x".join(map(str, GRAPH_SHAPE)), help="BATCHxTOKENS")
+    parser.add_argument("--splits", type=split_counts, default=[], help="split counts to force, after the default")
+    parser.add_argument("--shape", type=shape, default=GRAPH_SHAPE, help="BATCHxTOKENS, e.g. 1x32768")
     parser.add_argument("--contiguous", action="store_true", help="the contiguous cache instead of pages of 64")
     parser.add_argument("--no-peer", action="store_true")
     args = parser.parse_args()
-    batch, seqlen = map(int, args.shape.split("x"))
+    batch, seqlen = args.shape
     nbytes = 2 * batch * seqlen * HEADS_KV * HEAD_DIM * 2
-    count = max(2, -(-3 * torch.cuda.get_device_properties(0).L2_cache_size // nbytes))
-    steps = steps_for(count, batch, seqlen, not args.contiguous, torch.Generator().manual_seed(1))
+    steps = rotated_steps(batch, seqlen, not args.contiguous, torch.Generator().manual_seed(1))
+    count = len(steps)
     print(torch.cuda.get_device_name(0), f"{batch}x{seqlen}", "contiguous" if args.contiguous else "paged",
           f"{count} caches of {nbytes / 1e6:.1f} MB", flush=True)
-    for splits in [None, *(int(s) for s in args.splits.split(",") if s)]:
+    for splits in [None, *args.splits]:
         turn = iter(range(10**9))
 
         def step(splits=splits):
