@@ -555,6 +555,43 @@ static_assert(BLOCK_M % 16 == 0 && HEAD_DIM % 16 == 0 && NUM_STAGES >= 2, "tile 
 
 using Params = DecodeParams;  // generated from the family's argument list (family.py)
 
+// A development timeline (bench/decode_cta_timeline.py defines ATTNGEN_TRACE): per split-kernel CTA,
+// thread 0 stamps the SM clock at the points of DecodeEvent, the global timer at its entry and end (the
+// SM clocks are not aligned across SMs), its SM and its key-block count, and the clock as each of its first
+// TRACE_BLOCKS key blocks has landed. Each stamp waits for the value it is given (`after`), so a stamp
+// after a load marks that load's return.
+enum DecodeEvent { EV_ENTRY, EV_WAITED, EV_LENGTH, EV_IDS, EV_FIRST_BLOCK, EV_LAST_BLOCK, EV_MERGED, EV_STORED, EV_GT_ENTRY,
+                   EV_GT_END, EV_SM, EV_BLOCKS, EV_ISSUED0, EV_ISSUED, TRACE_EVENTS };
+#ifdef ATTNGEN_TRACE
+constexpr int TRACE_CTAS = 4096, TRACE_BLOCKS = 64;
+__device__ long long attngen_decode_trace[TRACE_CTAS][TRACE_EVENTS + TRACE_BLOCKS];
+__device__ __forceinline__ void trace_store(int event, long long value) {
+    const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (threadIdx.x == 0 && cta < TRACE_CTAS && event < TRACE_EVENTS + TRACE_BLOCKS)
+        attngen_decode_trace[cta][event] = value;
+}
+// The SM clock (EV_GT_ENTRY, EV_GT_END: the global timer) once `after` is ready.
+__device__ __forceinline__ void trace(DecodeEvent event, int after = 0) {
+    long long value;
+    if (event == EV_GT_ENTRY || event == EV_GT_END)
+        asm volatile("add.s32 %1, %1, 0;\n\tmov.u64 %0, %%globaltimer;\n" : "=l"(value), "+r"(after));
+    else
+        asm volatile("add.s32 %1, %1, 0;\n\tmov.u64 %0, %%clock64;\n" : "=l"(value), "+r"(after));
+    trace_store(event, value);
+}
+__device__ __forceinline__ int smid() {
+    int id;
+    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
+    return id;
+}
+__device__ __forceinline__ void trace_block(int it) { trace_store(TRACE_EVENTS + it, clock64()); }
+#else
+__device__ __forceinline__ void trace_store(int, long long) {}
+__device__ __forceinline__ void trace_block(int) {}
+__device__ __forceinline__ void trace(DecodeEvent, int = 0) {}
+__device__ __forceinline__ int smid() { return 0; }
+#endif
+
 // The sequence's cache length, or -1 when it is outside [0, capacity]: the kernels then write NaN
 // for its rows rather than read past the cache (a bad length must not pass silently).
 __device__ __forceinline__ int cache_len(const Params& p, int batch) {
@@ -680,12 +717,16 @@ __device__ __forceinline__ void flash_decode(const P& p) {
     const int Sq = p.Sq, rows = Sq * GQA_RATIO;
     const int row_tiles = (rows + BLOCK_M - 1) / BLOCK_M;
     const int kv_head = blockIdx.x / row_tiles, r0 = (blockIdx.x % row_tiles) * BLOCK_M;
+    trace(EV_ENTRY);
+    trace(EV_GT_ENTRY);
     PageGuess guess = no_guess();
     if (tma && warp == 0) guess = prefetch_first_blocks(p, batch, kv_head, r0, split, lane);
     // Launched early (sm_90: family.py launches): the CTA was scheduled while the kernel before it in the
     // stream finished; every read of an input and every write waits for that kernel's writes here.
     pdl_wait();
+    trace(EV_WAITED);
     const int len = cache_len(p, batch);
+    trace(EV_LENGTH, len);
     int guessed_ids[NUM_STAGES];  // paged TMA, warp 0: the guessed entries' ids, read beside the length
 #pragma unroll
     for (int b = 0; b < NUM_STAGES; ++b)
@@ -901,17 +942,38 @@ __device__ __forceinline__ void flash_decode(const P& p) {
     int ahead_ids[IDS_AHEAD];  // cp.async, lane_pages: block_pages of the next IDS_AHEAD blocks to load
     if (tma) {
         start_tma_ring();
+        trace(EV_IDS);
     } else {
         int ids[NUM_STAGES];
 #pragma unroll
         for (int s = 0; s < NUM_STAGES; ++s) ids[s] = block_pages(s);
+        trace(EV_IDS, ids[0]);
 #pragma unroll
         for (int a = 0; a < IDS_AHEAD; ++a) ahead_ids[a] = block_pages(NUM_STAGES + a);
-#pragma unroll
-        for (int s = 0; s < NUM_STAGES; ++s) {
-            if (s < n_blocks) load_kv(s, ids[s]);
+        auto start_block = [&](int s, int block_ids) {
+            if (s < n_blocks) load_kv(s, block_ids);
             else cp_async_commit();  // empty groups keep the wait counts uniform
+            if (s == 0) trace(EV_ISSUED0);
+        };
+        if constexpr (PAGED && COPIES >= 8) {
+            // Not unrolled: each load_kv holds both ways of finding a row, 8 chunks each, and three copies of
+            // it made the d128 paged kernel's start ~6,400 instructions long. Every CTA fetched them cold while
+            // its first copies filled the memory system: its warps waited on instruction fetches (ncu: the
+            // start's top stall, "no instruction"), took ~8 us to issue the ring (2 us contiguous) and the
+            // first block landed ~10 us after the page ids. (Fewer chunks, d64: half the code, and the loop's
+            // registers made ptxas spill under d64's cap, so it stays unrolled there.)
+#pragma unroll 1
+            for (int s = 0; s < NUM_STAGES; ++s) {
+                int block_ids = ids[0];  // ids[s] without indexing the array at run time (registers)
+#pragma unroll
+                for (int k = 1; k < NUM_STAGES; ++k) block_ids = s == k ? ids[k] : block_ids;
+                start_block(s, block_ids);
+            }
+        } else {
+#pragma unroll
+            for (int s = 0; s < NUM_STAGES; ++s) start_block(s, ids[s]);
         }
+        trace(EV_ISSUED);
     }
 
     // This thread's rows: (m tile, half) -> token and query head; rows past the problem are padding.
@@ -970,6 +1032,9 @@ __device__ __forceinline__ void flash_decode(const P& p) {
             else cp_async_wait<NUM_STAGES - 2>();
         }
         __syncthreads();  // block `it` landed for every thread; block it - 1's stage has been read
+        if (it == 0) trace(EV_FIRST_BLOCK);
+        if (it == n_blocks - 1) trace(EV_LAST_BLOCK);
+        trace_block(it);
         if (it > 0) {
             if (tma) {
                 if (warp == 0 && it - 1 + NUM_STAGES < n_blocks) {
@@ -1126,6 +1191,7 @@ __device__ __forceinline__ void flash_decode(const P& p) {
                 *reinterpret_cast<float2*>(o_row + dt * 8 + 2 * t) = make_float2(o_acc[mt][dt][2 * h], o_acc[mt][dt][2 * h + 1]);
         }
     const bool any_bad = __syncthreads_or(bad);
+    trace(EV_MERGED, any_bad);
     const float nan = __int_as_float(0x7fc00000);
     for (int c = threadIdx.x; c < BLOCK_M * (HEAD_DIM / 4); c += THREADS) {
         const int r = c / (HEAD_DIM / 4), col = (c % (HEAD_DIM / 4)) * 4, row = r0 + r;
@@ -1160,6 +1226,10 @@ __device__ __forceinline__ void flash_decode(const P& p) {
             if (col == 0) p.lse_part[part] = any_bad ? nan : (sum > 0.f ? mx + log2f(sum) : NEG_INF);
         }
     }
+    trace(EV_STORED);
+    trace(EV_GT_END);
+    trace_store(EV_SM, smid());
+    trace_store(EV_BLOCKS, n_blocks);
 }
 
 // One CTA per (sequence, token, query head): the splits' partials weighted by their LSEs. Every
