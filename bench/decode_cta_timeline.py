@@ -20,6 +20,7 @@ blocks (per block), the last block to the warps' merge, and the partials' stores
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import numpy as np
@@ -74,14 +75,61 @@ def summarise(name: str, t: np.ndarray, ms: float) -> str:
     return "\n".join(lines)
 
 
+LAYOUT = re.compile(r"contiguous|p(\d+)-(identity|shuffled|grouped)(-as-contiguous)?")
+
+
+def shape_list(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in text.split(","):
+        match = re.fullmatch(r"(\d+)x(\d+)", item)
+        if not match or min(int(match[1]), int(match[2])) < 1:
+            raise argparse.ArgumentTypeError(f"--shapes {text!r}: {item!r} is not allowed; allowed: BATCHxTOKENS, "
+                                              f"both at least 1, separated by commas (e.g. 1x32768,8x8192)")
+        shapes.append((int(match[1]), int(match[2])))
+    return shapes
+
+
+def layout_list(text: str) -> list[str]:
+    for item in text.split(","):
+        match = LAYOUT.fullmatch(item)
+        if not match or (match[1] is not None and int(match[1]) < 1):
+            raise argparse.ArgumentTypeError(f"--layouts {text!r}: {item!r} is not allowed; allowed: contiguous or "
+                                              f"pN-identity, pN-shuffled, pN-grouped (N >= 1 tokens a page), any of "
+                                              f"them with -as-contiguous, separated by commas")
+    return text.split(",")
+
+
+def config_list(text: str) -> list[str]:
+    from attngen.families.decode_sm80.family import DecodeConfig
+
+    for item in text.split(","):
+        try:
+            DecodeConfig.from_label(item)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"--configs {text!r}: {e}") from None
+    return text.split(",")
+
+
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--calls {text!r}: allowed: an integer of at least 1")
+    return int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", default="1x32768,8x8192")
-    parser.add_argument("--layouts", default="contiguous,p64-shuffled")
-    parser.add_argument("--configs", default="m16n64w4s3")
-    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--shapes", type=shape_list, default="1x32768,8x8192", help="BATCHxTOKENS,...")
+    parser.add_argument("--layouts", type=layout_list, default="contiguous,p64-shuffled")
+    parser.add_argument("--configs", type=config_list, default="m16n64w4s3", help="decode_sm80 config labels")
+    parser.add_argument("--calls", type=positive, default=20)
     parser.add_argument("--save", type=Path, help="a folder for each case's raw stamps (.npy, [cta, event])")
     args = parser.parse_args()
+    for batch, seqlen in args.shapes:  # the pages cut each sequence evenly (decode_paged_probe.arrange)
+        for layout in args.layouts:
+            page = LAYOUT.fullmatch(layout)[1]
+            if page is not None and seqlen % int(page):
+                parser.error(f"--layouts {layout!r} with --shapes {batch}x{seqlen}: pages of {page} tokens do not "
+                             f"divide {seqlen}; allowed: a page size that divides every shape's token count")
 
     import cupy
     import torch
@@ -95,13 +143,13 @@ def main() -> None:
 
     traced_render(families.get_family("decode_sm80"))
     print(torch.cuda.get_device_name(0), flush=True)
-    for shape in args.shapes.split(","):
-        batch, seqlen = map(int, shape.split("x"))
+    for batch, seqlen in args.shapes:
+        shape = f"{batch}x{seqlen}"
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(batch, seqlen, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         lens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
-        for layout in args.layouts.split(","):
+        for layout in args.layouts:
             if layout == "contiguous":
                 kc, vc, table = k, v, None
             elif layout.endswith("-as-contiguous"):  # the pages' memory read through the contiguous kernel
@@ -109,7 +157,7 @@ def main() -> None:
                 kc, vc, table = kc.view(k.shape), vc.view(v.shape), None
             else:
                 kc, vc, table = arrange(k, v, layout, gen)
-            for label in args.configs.split(","):
+            for label in args.configs:
                 spec = attngen.AttentionSpec(head_dim=HEAD_DIM, gqa_ratio=HEADS_Q // HEADS_KV, family="decode_sm80",
                                              config=DecodeConfig.from_label(label).to_dict())
                 fn = lambda: attngen.decode(q, kc, vc, lens, page_table=table, spec=spec)  # noqa: E731

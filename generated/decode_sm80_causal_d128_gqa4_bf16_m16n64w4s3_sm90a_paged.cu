@@ -960,8 +960,8 @@ __device__ __forceinline__ void flash_decode(const P& p) {
             // it made the d128 paged kernel's start ~6,400 instructions long. Every CTA fetched them cold while
             // its first copies filled the memory system: its warps waited on instruction fetches (ncu: the
             // start's top stall, "no instruction"), took ~8 us to issue the ring (2 us contiguous) and the
-            // first block landed ~10 us after the page ids. (Fewer chunks, d64: half the code, and the loop's
-            // registers made ptxas spill under d64's cap, so it stays unrolled there.)
+            // first block landed ~10 us after the page ids. (Fewer chunks, d64 and d96: a shorter start, and
+            // the loop's registers made ptxas spill under d64's 128-register cap, so it stays unrolled there.)
 #pragma unroll 1
             for (int s = 0; s < NUM_STAGES; ++s) {
                 int block_ids = ids[0];  // ids[s] without indexing the array at run time (registers)
