@@ -169,18 +169,19 @@ def test_the_forward_front_door_refuses_a_decode_family():
     AttentionSpec(head_dim=128, gqa_ratio=4, mask="sliding_window(4096, 0)", score_mod="softcap(50.0)"),
     AttentionSpec(head_dim=128, gqa_ratio=8, mask="q_idx + (kv_len - q_len) >= kv_idx", sink="sinks[h]"),
 ], ids=lambda s: s.name)
-@pytest.mark.parametrize("paged", [True, False])
-def test_plans_compile_without_spills(arch, spec, paged):
-    plan = decode_plan(spec, targets.target(arch), paged)
+@pytest.mark.parametrize("page_size", [16, 64, None], ids=["paged", "whole-pages", "contiguous"])
+def test_plans_compile_without_spills(arch, spec, page_size):
+    plan = decode_plan(spec, targets.target(arch), page_size is not None, page_size)
+    assert plan.whole_pages == (page_size == 64)
     report = nvcc.check_plan(plan)
     assert report.spill_bytes == 0 and report.stack_frame_bytes == 0, report.log
     assert [k.symbol for k in plan.kernels] == [plan.name, f"{plan.name}_combine"]
 
 
 @pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
-@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("page_size", [16, 64, None], ids=["paged", "whole-pages", "contiguous"])
 @pytest.mark.parametrize("loads", ["cp_async", "tma"])
-def test_sm90_kernels_wait_for_the_kernel_before_them_before_touching_memory(tmp_path, loads, paged):
+def test_sm90_kernels_wait_for_the_kernel_before_them_before_touching_memory(tmp_path, loads, page_size):
     """On sm_90 both kernels are launched early (family.py launches): each must wait for the kernel before
     it (griddepcontrol.wait, SASS ACQBULK) on every path, before any global load or store but the split
     kernel's L2 hints, or a step could read a cache row, a length or a partial before the kernel that
@@ -188,7 +189,8 @@ def test_sm90_kernels_wait_for_the_kernel_before_them_before_touching_memory(tmp
     if nvcc.find_cuobjdump() is None:
         pytest.skip("cuobjdump not on PATH: the SASS is not checked here (CI installs it)")
     spec = AttentionSpec(head_dim=128, gqa_ratio=4, mask="causal", family="decode_sm80", config={"loads": loads})
-    plan = decode_plan(spec, H100, paged)
+    paged = page_size is not None
+    plan = decode_plan(spec, H100, paged, page_size)
     if loads == "cp_async":  # (a TMA plan's launches encode tensor maps, with cuda-python)
         assert all(launch.early for launch in FAMILY.launches(plan, decode_call_of(3)))
     cubin = tmp_path / "k.cubin"
@@ -199,6 +201,22 @@ def test_sm90_kernels_wait_for_the_kernel_before_them_before_touching_memory(tmp
         before = sass_waits.before_the_wait(name, body, hints=True)
         hints = "UTMAPF" in before  # the paged split kernel's L2 prefetches (flash_decode.cuh prefetch_first_blocks)
         assert hints == (loads == "tma" and paged and not name.endswith("_combine")), f"{name}: L2 hints {hints}"
+
+
+@pytest.mark.parametrize("config, page_size, whole", [
+    ({}, 64, True), ({}, 128, True), ({}, 256, True), ({}, 16, False), ({}, 32, False), ({}, 100, False),
+    ({}, 1, False), ({}, 192, True), ({}, None, False), ({"block_n": 32, "num_warps": 2}, 32, True),
+    ({"block_n": 128}, 64, False), ({"block_n": 128}, 256, True), ({"loads": "tma"}, 64, False)])
+def test_pages_of_whole_key_blocks_get_a_plan_of_their_own(config, page_size, whole):
+    """A paged cp.async call whose page size is a multiple of block_n runs the plan for pages of whole
+    blocks (flash_decode.cuh WHOLE_PAGES); every other page size, TMA plans and contiguous caches not."""
+    spec = AttentionSpec(head_dim=128, gqa_ratio=4, family="decode_sm80", config=config or None)
+    plan = decode_plan(spec, H100, page_size is not None, page_size)
+    assert plan.whole_pages == whole and plan.name.endswith("_paged_whole") == whole
+    assert plan.paged == (page_size is not None) and plan.choices()["whole_pages"] == whole
+    rows = decode_plan(spec, H100, True)  # no page size given: the plan for any page size
+    assert not rows.whole_pages and rows.name.endswith("_paged")
+    assert 'constexpr bool WHOLE_PAGES = ' + ("true" if whole else "false") in FAMILY.render(plan)
 
 
 def test_every_config_the_family_lists_plans_or_says_why():

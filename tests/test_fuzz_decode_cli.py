@@ -21,7 +21,8 @@ from attngen.fuzz.reproducer import CASE_FILE
 from attngen.spec import AttentionSpec
 
 SPEC = AttentionSpec(head_dim=64, dtype="fp16", gqa_ratio=2, mask="causal")
-PAGED, CONTIGUOUS = (ReferenceDecodeRunner().kernel_name(SPEC, paged) for paged in (True, False))
+# Pages of 16 (the per-row plan), of 256 (whole key blocks) and a contiguous cache: three kernels.
+PAGED, WHOLE_PAGES, CONTIGUOUS = (ReferenceDecodeRunner().kernel_name(SPEC, size) for size in (16, 256, None))
 SMALL = ("--max-seq-len", "200")
 
 
@@ -90,16 +91,20 @@ def _reproducer(output: str) -> Path:
 
 def test_a_correct_decode_passes_every_kernel_of_the_pool_and_exits_0(decode_runner, tmp_path):
     specs = decode_specs(ReferenceDecodeRunner.target)
-    result = fuzz("--decode", "--examples", 2 * len(specs), "--seed", 3, *SMALL, "--out", tmp_path)
+    result = fuzz("--decode", "--examples", 3 * len(specs), "--seed", 3, *SMALL, "--out", tmp_path)
     assert result.exit_code == 0, result.output
-    assert result.output.startswith(
-        f"attngen fuzz --decode: {len(specs)} specs, up to {2 * len(specs)} cases, seed 3\n  target sm_90a, "
-        f"families decode_sm80: {len(specs)} (each paged and contiguous: two kernels)\n")
-    assert "attngen fuzz --decode: cases per kernel" in result.output and "longest cache" in result.output
-    # The first cases run every kernel once: each problem over a paged and over a contiguous cache.
+    # The first cases run every kernel once: each problem over pages of 16 (the per-row plan), of 256 (pages
+    # of whole key blocks, except in TMA plans, which take every page size) and a contiguous cache.
     runner = ReferenceDecodeRunner()
-    assert all(runner.kernel_name(spec, paged) in result.output for spec in specs for paged in (True, False))
-    assert f"{2 * len(specs)} cases in" in result.output and "0 failures" in result.output
+    names = {runner.kernel_name(spec, size) for spec in specs for size in (16, 256, None)}
+    tma = sum(spec.pinned.get("loads") == "tma" for spec in specs)
+    assert tma and len(names) == 3 * len(specs) - tma
+    assert result.output.startswith(
+        f"attngen fuzz --decode: {len(specs)} specs, up to {3 * len(specs)} cases, seed 3\n  target sm_90a, "
+        f"families decode_sm80: {len(specs)} ({len(names)} kernels: paged and contiguous)\n")
+    assert "attngen fuzz --decode: cases per kernel" in result.output and "longest cache" in result.output
+    assert all(name in result.output for name in names)
+    assert f"{3 * len(specs)} cases in" in result.output and "0 failures" in result.output
     assert "decode: every sequence's output and LSE checked against the float64 reference" in result.output
     assert not (tmp_path / "failures").exists()
 
@@ -208,7 +213,7 @@ class Launches(ReferenceDecodeRunner):
         self.launched = []
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, *, page_table, spec, **kw):
-        self.launched.append(self.kernel_name(spec, page_table is not None))
+        self.launched.append(self.kernel_name(spec, None if page_table is None else k_cache.shape[1]))
         return super().__call__(q, k_cache, v_cache, cache_seqlens, page_table=page_table, spec=spec, **kw)
 
 
@@ -216,13 +221,14 @@ def test_sanitize_replays_one_decode_case_per_kernel(decode_runner, spec_file, t
     result = fuzz("--decode", spec_file, "--examples", 30, "--seed", 4, *SMALL, "--out", tmp_path, "--sanitize")
     assert result.exit_code == 0, result.output
     samples = sorted((tmp_path / "sanitize").iterdir())
-    assert [p.name.split("-")[0] for p in samples] == sorted([CONTIGUOUS, PAGED])
-    paged = json.loads((samples[1] / CASE_FILE).read_text())["case"]
-    # The paged sample has a partial last page and several splits (so the combine kernel runs too).
-    assert any(n % paged["page_size"] for n in paged["lengths"]) and paged["num_splits"] > 1
+    assert [p.name.split("-")[0] for p in samples] == sorted([CONTIGUOUS, PAGED, WHOLE_PAGES])
+    # The paged samples have a partial last page and several splits (so the combine kernel runs too).
+    for sample in samples[1:]:
+        paged = json.loads((sample / CASE_FILE).read_text())["case"]
+        assert any(n % paged["page_size"] for n in paged["lengths"]) and paged["num_splits"] > 1
     calls = fake_sanitizer.calls.read_text().splitlines()
-    assert len(calls) == 6 and {c.split("kns=")[1].split()[0] for c in calls} == {PAGED, CONTIGUOUS}
-    assert "sanitizer: 6/6 runs clean over 2 kernels" in result.output
+    assert len(calls) == 9 and {c.split("kns=")[1].split()[0] for c in calls} == {PAGED, WHOLE_PAGES, CONTIGUOUS}
+    assert "sanitizer: 9/9 runs clean over 3 kernels" in result.output
 
     # What each sanitizer process runs: the replay, which names the decode plans it launched.
     decode_runner["runner"] = Launches

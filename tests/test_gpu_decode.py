@@ -94,6 +94,43 @@ def test_lengths_pages_and_splits_match_the_reference(paged, page_size, num_spli
     check_decode(spec, _q(B, 1, 4 * Hkv, 128, 2), k, v, lens, table, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("page_size", [64, 128, 16])
+@pytest.mark.parametrize("loads", LOADS)
+def test_a_strided_paged_cache_matches_the_reference(page_size, loads):
+    """Pages that are views into a larger buffer (3 spare rows a page, a spare head, 8 spare columns): the
+    page stride is not page_size rows. Pages of 64 and 128 hold whole 64-key blocks (the plan for pages
+    of whole blocks, flash_decode.cuh WHOLE_PAGES); pages of 16 take the per-row plan."""
+    import torch
+
+    spec = _loads_spec(loads, head_dim=128, gqa_ratio=4)
+    B, Hkv, capacity = 3, 2, 1024
+    k_full, v_full, table = make_cache(B, capacity, Hkv + 1, 136, page_size, seed=13, paged=True)
+    k_pad = torch.full((k_full.shape[0], page_size + 3, Hkv + 1, 136), float("nan"), dtype=k_full.dtype, device="cuda")
+    v_pad = torch.full_like(k_pad, float("nan"))
+    k_pad[:, :page_size], v_pad[:, :page_size] = k_full, v_full
+    k, v = k_pad[:, :page_size, 1:, :128], v_pad[:, :page_size, :Hkv, 8:]
+    assert k.stride(0) != page_size * k.stride(1)
+    lens = torch.tensor([1000, 65, 1024], dtype=torch.int32, device="cuda")
+    for num_splits in (None, 1, 5):
+        check_decode(spec, _q(B, 1, 4 * Hkv, 128, 14), k, v, lens, table, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("page_size", [64, 128, 256])
+def test_long_sequences_over_pages_of_whole_blocks_match_the_reference(page_size):
+    """Pages of whole 64-key blocks hold their ids 32 pages at a time per lane (flash_decode.cuh
+    WHOLE_PAGES): sequences of 80 to 160 pages, so every split's window moves, from wherever the split
+    starts in a page and in a window; pages of 128 and 256 take two and four blocks each."""
+    import torch
+
+    spec = AttentionSpec(head_dim=128, gqa_ratio=4)
+    B, Hkv = 3, 2
+    capacity = 160 * page_size
+    k, v, table = make_cache(B, capacity, Hkv, 128, page_size, seed=17)
+    lens = torch.tensor([capacity, 80 * page_size + 37, 97 * page_size - 1], dtype=torch.int32, device="cuda")
+    for num_splits in (None, 1, 2, 7):
+        check_decode(spec, _q(B, 1, 4 * Hkv, 128, 18), k, v, lens, table, num_splits=num_splits)
+
+
 CASES = [
     # (mask, score_mod, sink, head_dim, gqa_ratio, new tokens)
     ("causal", None, None, 64, 8, 1),
@@ -120,8 +157,8 @@ def test_masks_modifiers_and_sinks_match_the_reference(mask, score_mod, sink, he
         inputs["slope"] = torch.rand(ratio * Hkv, device="cuda") * 0.1
     if sink:
         inputs["sinks"] = torch.randn(ratio * Hkv, device="cuda")
-    for paged in (True, False):
-        k, v, table = make_cache(B, 1536, Hkv, head_dim, 32, seed=3, paged=paged)
+    for page_size in (32, 128, None):  # pages of 128: whole key blocks (their own plan)
+        k, v, table = make_cache(B, 1536, Hkv, head_dim, page_size or 0, seed=3, paged=page_size is not None)
         q = _q(B, new, ratio * Hkv, head_dim, 4, scale=3.0 if score_mod else 1.0)
         for num_splits in (None, 1, 5):
             check_decode(spec, q, k, v, lens, table, num_splits=num_splits, inputs=inputs or None)
@@ -170,14 +207,15 @@ def test_decode_equals_the_forward_on_the_same_cache():
         assert (out[b:b + 1].float() - fwd.float()).abs().max().item() <= 2 * 2**-8 * (fwd.float().abs().max().item() + 4)
 
 
+@pytest.mark.parametrize("page", [64, 16])  # whole key blocks (their own plan) and the per-row plan
 @pytest.mark.parametrize("loads", LOADS)
-def test_bad_lengths_and_page_ids_poison_only_their_sequence(loads):
+def test_bad_lengths_and_page_ids_poison_only_their_sequence(loads, page):
     import torch
 
     spec = _loads_spec(loads, head_dim=64, gqa_ratio=2)
-    k, v, table = make_cache(4, 256, 1, 64, 64, seed=7)
+    k, v, table = make_cache(4, 256, 1, 64, page, seed=7)
     table[2, 1] = k.shape[0] + 5  # a page id past the cache, within sequence 2's length
-    table[3, 3] = -1  # past sequence 3's length: never read
+    table[3, 100 // page + 1] = -1  # past sequence 3's length (100): never read
     lens = torch.tensor([300, -1, 200, 100], dtype=torch.int32, device="cuda")  # 300 > capacity 256
     q = _q(4, 1, 2, 64, 8)
     for num_splits in (1, 3):

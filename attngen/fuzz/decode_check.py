@@ -14,7 +14,7 @@ from attngen.fuzz.paged import DecodeCase, decode_failure, make_decode_inputs
 
 def run_decode_case(case: DecodeCase, runner) -> CaseResult:
     start = time.perf_counter()
-    kernel = runner.kernel_name(case.spec, case.page_size is not None)
+    kernel = runner.kernel_name(case.spec, case.page_size)
 
     def result(kind=None, detail=""):
         return CaseResult(case, kernel, time.perf_counter() - start, kind, detail)
@@ -45,6 +45,6 @@ def run_decode_case(case: DecodeCase, runner) -> CaseResult:
 def case_kernel_name(runner, case: DecodeCase) -> str:
     """The runner's name for the case's kernel, or the spec's key when naming it is what failed."""
     try:
-        return runner.kernel_name(case.spec, case.page_size is not None)
+        return runner.kernel_name(case.spec, case.page_size)
     except Exception:  # noqa: BLE001 - reporting a harness error must not raise another
         return f"spec {case.spec.key()}"

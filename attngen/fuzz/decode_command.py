@@ -49,8 +49,12 @@ def decode_pool(paths, target) -> tuple:
 
 
 def _families(pool, target) -> str:
-    """How many of the pool's specs run as each decode family on the target."""
+    """How many of the pool's specs run as each decode family on the target, and as how many kernels (a
+    plan over pages of whole key blocks, one over other pages and one over a contiguous cache; TMA
+    plans take every page size in one)."""
+    from attngen.fuzz.paged import FIRST_PAGE_SIZES
     from attngen.runtime.decode import decode_plan
 
     counts = Counter(decode_plan(spec, target, paged=True).family for spec in pool)
-    return ", ".join(f"{family}: {n}" for family, n in counts.items()) + " (each paged and contiguous: two kernels)"
+    kernels = {decode_plan(spec, target, size is not None, size).name for spec in pool for size in FIRST_PAGE_SIZES}
+    return ", ".join(f"{family}: {n}" for family, n in counts.items()) + f" ({len(kernels)} kernels: paged and contiguous)"

@@ -116,7 +116,7 @@ def replay_decode(reproducer: Reproducer, runner) -> tuple[CaseResult, list[str]
     if decode_input_digest(case) != reproducer.digest:
         warnings.append(f"the inputs regenerated from seed {case.data_seed} differ from the recorded ones (another "
                         "torch version?): this replay may not reproduce the failure")
-    kernel = runner.kernel_name(case.spec, case.page_size is not None)
+    kernel = runner.kernel_name(case.spec, case.page_size)
     if kernel != reproducer.kernel:
         warnings.append(f"recorded for kernel {reproducer.kernel}; this GPU runs {kernel} (another target, or "
                         "default config?)")

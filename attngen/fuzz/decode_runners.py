@@ -1,8 +1,8 @@
 """The thing under test in the paged decode regime: a callable with attngen.decode's signature.
 
 A decode runner has a `device`, a `target`, a `machine` (as attngen/fuzz/runners.py's), and
-`kernel_name(spec, paged)`: the decode plan it runs for a spec over a paged or a contiguous cache
-(two kernels). It is called as attngen.decode is, `runner(q, k_cache, v_cache, cache_seqlens,
+`kernel_name(spec, page_size)`: the decode plan it runs for a spec over a paged cache of that page
+size or (None) a contiguous one (pages of whole key blocks have a plan of their own). It is called as attngen.decode is, `runner(q, k_cache, v_cache, cache_seqlens,
 page_table=..., spec=..., num_splits=..., inputs=..., return_lse=True)`, and returns (out, lse).
 `DecodeKernelRunner` runs attngen.decode on the GPU; `ReferenceDecodeRunner` runs the reference on
 the CPU (correct by construction), so the CPU tests can run `attngen fuzz --decode` end to end and
@@ -18,10 +18,10 @@ from attngen.fuzz.runners import Machine
 from attngen.spec import AttentionSpec
 
 
-def decode_kernel_name(spec: AttentionSpec, target, paged: bool) -> str:
+def decode_kernel_name(spec: AttentionSpec, target, page_size: int | None) -> str:
     from attngen.runtime.decode import decode_plan
 
-    return decode_plan(spec, target, paged).name
+    return decode_plan(spec, target, page_size is not None, page_size).name
 
 
 class DecodeKernelRunner:
@@ -35,15 +35,15 @@ class DecodeKernelRunner:
         self.device = f"cuda:{self.device_index}"
         self.launched: list[str] = []
 
-    def kernel_name(self, spec: AttentionSpec, paged: bool) -> str:
-        return decode_kernel_name(spec, self.target, paged)
+    def kernel_name(self, spec: AttentionSpec, page_size: int | None) -> str:
+        return decode_kernel_name(spec, self.target, page_size)
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, *, page_table, spec, num_splits, inputs, return_lse=True):
         import attngen
 
         result = attngen.decode(q, k_cache, v_cache, cache_seqlens, page_table=page_table, spec=spec,
                                 num_splits=num_splits, inputs=inputs, return_lse=return_lse)
-        self.launched.append(self.kernel_name(spec, page_table is not None))
+        self.launched.append(self.kernel_name(spec, None if page_table is None else k_cache.shape[1]))
         torch.cuda.synchronize(self.device_index)  # an asynchronous launch error surfaces here, in this case
         return result
 
@@ -56,8 +56,8 @@ class ReferenceDecodeRunner:
     target = targets.target(targets.DEFAULT_ARCH)
     machine = Machine(target.name)
 
-    def kernel_name(self, spec: AttentionSpec, paged: bool) -> str:
-        return decode_kernel_name(spec, self.target, paged)
+    def kernel_name(self, spec: AttentionSpec, page_size: int | None) -> str:
+        return decode_kernel_name(spec, self.target, page_size)
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, *, page_table, spec, num_splits, inputs, return_lse=True):
         out, lse = reference.decode_attention(q, k_cache, v_cache, cache_seqlens, spec, page_table=page_table,

@@ -36,6 +36,9 @@ from attngen.spec import AttentionSpec
 
 MAX_SEQ_Q = 16  # new tokens per sequence (speculative decoding, chunked-prefill tails)
 PAGE_SIZES = (16, 32, 64, 128, 256)  # the common ones; any other size in 1..256 is drawn too
+# The first cases' caches, one per kernel a spec may run as: pages of 16 (the per-row plan), pages of
+# 256 (a multiple of every decode block_n: the plan for pages of whole key blocks), contiguous.
+FIRST_PAGE_SIZES = (16, 256, None)
 MAX_PAGE_SIZE = 256
 GARBAGE_IDS = 3  # past its pages, a table entry is -1, an id past the cache, or a spare (NaN) page
 
@@ -254,14 +257,17 @@ class DecodeLimits:
 
 
 def first_decode_cases(specs, limits: DecodeLimits = DecodeLimits()) -> list[DecodeCase]:
-    """Two cases per spec, run before hypothesis draws any, so every kernel runs however few cases a
-    search has (a paged and a contiguous cache are two kernels): two sequences over two kv heads and two
-    new tokens; paged, a last partial page, a shared page and two splits; contiguous, an empty sequence."""
+    """Three cases per spec, run before hypothesis draws any, so every kernel runs however few cases a
+    search has (pages of 16, pages of whole key blocks and a contiguous cache are three kernels): two
+    sequences over two kv heads and two new tokens; paged, a last partial page, a shared page and two
+    splits; pages of 256 (a multiple of every decode block_n); contiguous, an empty sequence."""
     cases = []
     for spec in specs:
         short = (min(37, limits.max_length), min(20, limits.max_length))
         cases.append(DecodeCase(spec, short, seq_q=2, heads_kv=2, page_size=16, extra_pages=1, shared_pages=1,
                                 num_splits=2))
+        cases.append(DecodeCase(spec, (min(300, limits.max_length), short[0]), seq_q=2, heads_kv=2, page_size=256,
+                                extra_pages=1, shared_pages=1, num_splits=2))
         cases.append(DecodeCase(spec, (min(70, limits.max_length), 0), seq_q=2, heads_kv=2, page_size=None,
                                 extra_pages=1))
     return cases

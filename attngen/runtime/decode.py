@@ -115,13 +115,14 @@ def check_num_splits(num_splits) -> None:
                          f"integer in [1, {MAX_SPLITS}]")
 
 
-def decode_plan(spec: AttentionSpec, target, paged: bool):
+def decode_plan(spec: AttentionSpec, target, paged: bool, page_size: int | None = None):
     """The decode plan of a spec: its pinned decode family and config, else the first decode family
-    that supports the problem, with its defaults (a pinned forward family's config is the forward's)."""
+    that supports the problem, with its defaults (a pinned forward family's config is the forward's);
+    for a paged cache whose page size is given, the plan for that page size (pages of whole blocks or not)."""
     pinned = spec.family if spec.family in families.DECODE_FAMILIES else None
     family = families.select(spec.problem, target, pinned, "decode")
     config = family.resolve_config(spec.problem, target, spec.pinned if pinned else {})
-    return family.plan(spec.problem, target, config, paged=paged)
+    return family.plan(spec.problem, target, config, paged=paged, page_size=page_size if paged else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,12 +134,14 @@ _plans: dict[tuple, object] = {}
 _lock = threading.Lock()
 
 
-def _kernel(spec: AttentionSpec, device: int, paged: bool):
-    key = (spec, device, paged)
+def _kernel(spec: AttentionSpec, device: int, page_size: int | None):
+    """The kernel for a paged cache of `page_size` tokens a page, or (None) a contiguous one."""
+    key = (spec, device, page_size)
     plan = _plans.get(key)
     if plan is None:
         with _lock:
-            plan = _plans.get(key) or _plans.setdefault(key, decode_plan(spec, _target(device), paged))
+            plan = _plans.get(key) or _plans.setdefault(
+                key, decode_plan(spec, _target(device), page_size is not None, page_size))
     return kernel_for(plan, device)
 
 
@@ -215,7 +218,7 @@ def _checked(q, k_cache, v_cache, cache_seqlens, page_table, spec, softmax_scale
     si = describe(cache_seqlens, "cache_seqlens")
     pi = None if page_table is None else describe(page_table, "page_table")
     check_decode_inputs(spec.problem, qi, ki, vi, si, pi)
-    kernel = _kernel(spec, qi.device, pi is not None)
+    kernel = _kernel(spec, qi.device, None if pi is None else ki.shape[1])
     B, Sq, Hq, D = qi.shape
     oi = describe(out, "out") if out is not None else \
         TensorInfo("out", qi.kind, 0, (B, Sq, Hq, D), (Sq * Hq * D, Hq * D, D, 1), qi.dtype, qi.device)

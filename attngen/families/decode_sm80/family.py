@@ -96,6 +96,7 @@ class DecodePlan(ForwardPlan):
     num_stages: int
     paged: bool  # a paged cache (page table) or a contiguous one
     tma: bool  # K/V by tensor-map boxes where the call's layout allows (config.loads == "tma")
+    whole_pages: bool  # paged cp.async, pages whose size is a multiple of block_n (whole_pages())
     threads: int
     smem_bytes: int
     combine_threads: int = COMBINE_THREADS
@@ -106,7 +107,8 @@ class DecodePlan(ForwardPlan):
         return None
 
     def choices(self) -> dict[str, Any]:
-        return {"paged": self.paged, "tma": self.tma, "threads": self.threads, "smem_bytes": self.smem_bytes}
+        return {"paged": self.paged, "tma": self.tma, "whole_pages": self.whole_pages, "threads": self.threads,
+                "smem_bytes": self.smem_bytes}
 
 
 def _the_call(call: "DecodeCall | TmaDecodeArgs") -> "DecodeCall | TmaDecodeArgs":
@@ -191,6 +193,14 @@ def box_rows(plan: "DecodePlan", call: DecodeCall) -> int:
     return rows if rows >= MIN_BOX_ROWS else 0
 
 
+def whole_pages(config: DecodeConfig, page_size: int | None) -> bool:
+    """Whether a paged call takes the plan for pages of whole blocks: cp.async loads (TMA plans read
+    pages in boxes either way) and a page size that is a multiple of block_n, so a block never straddles
+    two pages. Those plans find each block's rows as the contiguous cache does and read the page table
+    32 ids at a time (flash_decode.cuh WHOLE_PAGES); every other page size takes the per-row plan."""
+    return page_size is not None and config.loads == "cp_async" and page_size % config.block_n == 0
+
+
 def choose_splits(batch: int, kv_heads: int, row_tiles: int, capacity: int, block_n: int, sms: int,
                   ctas_per_sm: int) -> int:
     """Splits per sequence from the shapes alone (the lengths are on the device): the count whose
@@ -252,7 +262,8 @@ class Sm80Decode(KernelFamily):
         return DecodeConfig(**{f: pinned.get(f, getattr(default, f)) for f in self.config_fields})
 
     def plan(self, problem: Problem, target: Target, config: DecodeConfig, *, fault: str | None = None,
-             paged: bool = True) -> DecodePlan:
+             paged: bool = True, page_size: int | None = None) -> DecodePlan:
+        """The plan for a paged (`page_size`: the call's, None: any) or contiguous cache."""
         check_fault(fault)
         if fault is not None:
             raise SpecError(f"family {self.name} has no injected faults (fault={fault!r})", field="fault")
@@ -272,14 +283,17 @@ class Sm80Decode(KernelFamily):
         if smem > target.smem_per_block:
             raise SpecError(f"config {config.label()} needs {smem} B of shared memory; {target.name} allows "
                             f"{target.smem_per_block} B: lower num_stages or block_n", field="config")
-        name = f"{self.plan_name(problem, target, config)}_{'paged' if paged else 'contiguous'}"
+        whole = paged and whole_pages(config, page_size)
+        cache = ("paged_whole" if whole else "paged") if paged else "contiguous"
+        name = f"{self.plan_name(problem, target, config)}_{cache}"
         threads = config.num_warps * 32
         abi = with_inputs(TMA_ARGUMENTS if config.loads == "tma" else ARGUMENTS, problem_inputs(problem), _the_call)
         return DecodePlan(
             family=self.name, name=name, problem=problem, target=target, config=config,
             kernels=(KernelPlan(name, threads, smem, abi), KernelPlan(f"{name}_combine", COMBINE_THREADS, 0, abi)),
             block_m=config.block_m, block_n=config.block_n, num_warps=config.num_warps,
-            num_stages=config.num_stages, paged=paged, tma=config.loads == "tma", threads=threads, smem_bytes=smem, mask=get_mask(problem.mask))
+            num_stages=config.num_stages, paged=paged, tma=config.loads == "tma", whole_pages=whole, threads=threads,
+            smem_bytes=smem, mask=get_mask(problem.mask))
 
     def render(self, plan: DecodePlan) -> str:
         return codegen.render(FOLDER, "decode.cu.j2", plan=plan, abi=plan.kernels[0].abi)

@@ -1,6 +1,6 @@
 // ---- flash_decode.cuh: split-KV decoding over a paged (or contiguous) KV cache, mma.sync ----
 // Needs, from the rendered template: struct DecodeParams, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
-// NUM_WARPS, NUM_STAGES, GQA_RATIO, PAGED, TMA, IS_BF16, elem_t }, namespace mask { Bounds, bounds,
+// NUM_WARPS, NUM_STAGES, GQA_RATIO, PAGED, TMA, WHOLE_PAGES, IS_BF16, elem_t }, namespace mask { Bounds, bounds,
 // visible } (attngen/cuda/mask.cuh.j2), namespace score { MODIFIED, modify, finish_row }
 // (score_mod.cuh.j2), and hopper.cuh (mbarriers and tensor-map loads with TMA; the combine's early launch).
 //
@@ -66,6 +66,7 @@ constexpr bool Q_IN_REGS = HEAD_DIM <= 128;
 static_assert(WARP_N % 16 == 0, "each warp takes whole k16 steps of keys");
 static_assert(BLOCK_N / MIN_BOX_ROWS <= 32, "a paged block's boxes are one per lane of warp 0");
 static_assert(BLOCK_M % 16 == 0 && HEAD_DIM % 16 == 0 && NUM_STAGES >= 2, "tile shapes");
+static_assert(!WHOLE_PAGES || (PAGED && !TMA), "pages of whole blocks: a paged cp.async plan (family.py whole_pages)");
 
 using Params = DecodeParams;  // generated from the family's argument list (family.py)
 
@@ -245,7 +246,9 @@ __device__ __forceinline__ void flash_decode(const P& p) {
 #pragma unroll
     for (int b = 0; b < NUM_STAGES; ++b)
         guessed_ids[b] = PAGED && guess.index[b] >= 0 ? p.page_table[(i64)batch * p.pt_sb + guess.index[b]] : -1;
-    bool bad = len < 0;
+    // A plan for pages of whole blocks given another page size reads nothing (runtime/decode.py never
+    // does that: it picks the plan by the call's page size).
+    bool bad = len < 0 || (WHOLE_PAGES && p.page_size % BLOCK_N != 0);
     const int Sk = bad ? 0 : len;
     const float score_log2 = score::MODIFIED ? LOG2E : p.scale_log2;
 
@@ -284,7 +287,7 @@ __device__ __forceinline__ void flash_decode(const P& p) {
     // block's j-th page, and each row takes its id by a shuffle. A refill first reads the ids of the
     // block IDS_AHEAD refills later, then issues its copies: a load issued behind a thread's copies
     // seems to come back only after them (ids read after the copies: 64 x 16384 6% slower on the H200).
-    const bool lane_pages = PAGED && (BLOCK_N - 1) / p.page_size + 2 <= 32 && p.page_size + BLOCK_N <= (1 << 22);
+    const bool lane_pages = PAGED && !WHOLE_PAGES && (BLOCK_N - 1) / p.page_size + 2 <= 32 && p.page_size + BLOCK_N <= (1 << 22);
     // A row's page within its block, (slot + 0.5) * (1 / page_size) rounded down, every step rounded
     // to nearest in fp32: exact while slot < page_size + BLOCK_N <= 2^22 (checked exhaustively up to
     // page size 4096, sampled beyond), and no integer division per row.
@@ -339,6 +342,40 @@ __device__ __forceinline__ void flash_decode(const P& p) {
                 k_off = v_off = 0;
                 return real && row_offsets(n0 + r, k_off, v_off);
             });
+        }
+    };
+    // Pages of whole blocks (WHOLE_PAGES: the page size a multiple of BLOCK_N, family.py whole_pages): a
+    // block lies in one page, so its rows' offsets are the contiguous cache's from its first row, with no
+    // per-row page arithmetic or shuffle; and the ids come 32 pages at a time: lane j of every warp holds
+    // page w0 + j's id (`window`), the next 32 (`next_window`) read when the window last moved, 32 pages
+    // before their use. One page-table load per 32 pages instead of one per block: with both, pages of 64
+    // ran as fast as the contiguous cache's code on the same memory (docs/perf-notes.md "Pages of whole blocks").
+    // The cursor (page, slot) is the next block to load; the loads go in block order.
+    const int last_page = Sk > 0 ? (Sk - 1) / p.page_size : -1;  // the last page with a listed row
+    auto window_ids = [&](int w) {  // lane j: the id of the sequence's page w + j, or -1 past the listed ones
+        return WHOLE_PAGES && w + lane <= last_page ? p.page_table[(i64)batch * p.pt_sb + w + lane] : -1;
+    };
+    int cursor_page = 0, cursor_slot = 0, w0 = 0, window = -1, next_window = -1;
+    auto load_whole_page_block = [&](int it) {
+        if (cursor_page - w0 == 32) {  // the cursor moves at most one page a block
+            w0 += 32;
+            window = next_window;
+            next_window = window_ids(w0 + 32);  // before the copies (see lane_pages)
+        }
+        const int page = __shfl_sync(0xffffffffu, window, cursor_page - w0);
+        const bool valid = (unsigned)page < (unsigned)p.num_pages;
+        bad |= !valid;  // a bad page id is never followed: the sequence's rows become NaN
+        const i64 at = valid ? page : 0;
+        const i64 k_block = at * p.k_sp + (i64)cursor_slot * p.k_ss, v_block = at * p.v_sp + (i64)cursor_slot * p.v_ss;
+        copy_block(it, [&](int n0, int r, bool real, i64& k_off, i64& v_off) {
+            k_off = k_block + (i64)r * p.k_ss;
+            v_off = v_block + (i64)r * p.v_ss;
+            return real && valid && n0 + r < Sk;
+        });
+        cursor_slot += BLOCK_N;
+        if (cursor_slot == p.page_size) {
+            cursor_slot = 0;
+            ++cursor_page;
         }
     };
     // TMA, issued by warp 0. Contiguous: one box of BLOCK_N rows per sub-tile of K and of V. Paged:
@@ -457,6 +494,20 @@ __device__ __forceinline__ void flash_decode(const P& p) {
     if (tma) {
         start_tma_ring();
         trace(EV_IDS);
+    } else if constexpr (WHOLE_PAGES) {
+        const int key0 = n_begin * BLOCK_N;
+        cursor_page = w0 = key0 / p.page_size;
+        cursor_slot = key0 - cursor_page * p.page_size;
+        window = window_ids(w0);
+        next_window = window_ids(w0 + 32);
+        trace(EV_IDS, window);
+#pragma unroll
+        for (int s = 0; s < NUM_STAGES; ++s) {
+            if (s < n_blocks) load_whole_page_block(s);
+            else cp_async_commit();  // empty groups keep the wait counts uniform
+            if (s == 0) trace(EV_ISSUED0);
+        }
+        trace(EV_ISSUED);
     } else {
         int ids[NUM_STAGES];
 #pragma unroll
@@ -556,11 +607,15 @@ __device__ __forceinline__ void flash_decode(const P& p) {
                     next_page = tma_page(it + NUM_STAGES);
                 }
             } else if (it - 1 + NUM_STAGES < n_blocks) {
-                const int ids = ahead_ids[0];
+                if constexpr (WHOLE_PAGES) {
+                    load_whole_page_block(it - 1 + NUM_STAGES);
+                } else {
+                    const int ids = ahead_ids[0];
 #pragma unroll
-                for (int a = 0; a + 1 < IDS_AHEAD; ++a) ahead_ids[a] = ahead_ids[a + 1];
-                ahead_ids[IDS_AHEAD - 1] = block_pages(it - 1 + NUM_STAGES + IDS_AHEAD);  // before the copies
-                load_kv(it - 1 + NUM_STAGES, ids);
+                    for (int a = 0; a + 1 < IDS_AHEAD; ++a) ahead_ids[a] = ahead_ids[a + 1];
+                    ahead_ids[IDS_AHEAD - 1] = block_pages(it - 1 + NUM_STAGES + IDS_AHEAD);  // before the copies
+                    load_kv(it - 1 + NUM_STAGES, ids);
+                }
             } else {
                 cp_async_commit();  // empty groups keep the wait counts uniform
             }
