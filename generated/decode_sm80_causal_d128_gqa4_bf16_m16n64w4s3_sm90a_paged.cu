@@ -733,13 +733,15 @@ __device__ __forceinline__ void flash_decode(const P& p) {
 #pragma unroll
     for (int b = 0; b < NUM_STAGES; ++b)
         guessed_ids[b] = PAGED && guess.index[b] >= 0 ? p.page_table[(i64)batch * p.pt_sb + guess.index[b]] : -1;
-    // A plan for pages of whole blocks given another page size reads nothing (runtime/decode.py never
-    // does that: it picks the plan by the call's page size).
-    bool bad = len < 0 || (WHOLE_PAGES && p.page_size % BLOCK_N != 0);
-    const int Sk = bad ? 0 : len;
+    // A bad length, or a plan for pages of whole blocks given another page size (runtime/decode.py never
+    // does that: it picks the plan by the call's page size), reads nothing: Sk -1, which every row fails
+    // and the merge turns into NaN (in Sk's sign, not a flag of its own: a flag live across the loop was
+    // spilled at d96). `bad`: bad page ids met.
+    const int Sk = len < 0 || (WHOLE_PAGES && p.page_size % BLOCK_N != 0) ? -1 : len;
+    bool bad = false;
     const float score_log2 = score::MODIFIED ? LOG2E : p.scale_log2;
 
-    const mask::Bounds bounds = cta_bounds(p, Sk, batch, kv_head, r0);
+    const mask::Bounds bounds = cta_bounds(p, max(Sk, 0), batch, kv_head, r0);
     const Span span = split_span(p, bounds, split);
     const int n_begin = span.begin, n_blocks = span.blocks;
     // Paged TMA: the guessed page ids stand where the length gives the hint's span: the same table entries
@@ -1246,7 +1248,7 @@ __device__ __forceinline__ void flash_decode(const P& p) {
             for (int dt = 0; dt < DT; ++dt)
                 *reinterpret_cast<float2*>(o_row + dt * 8 + 2 * t) = make_float2(o_acc[mt][dt][2 * h], o_acc[mt][dt][2 * h + 1]);
         }
-    const bool any_bad = __syncthreads_or(bad);
+    const bool any_bad = __syncthreads_or(bad || Sk < 0);
     trace(EV_MERGED, any_bad);
     const float nan = __int_as_float(0x7fc00000);
     for (int c = threadIdx.x; c < BLOCK_M * (HEAD_DIM / 4); c += THREADS) {
@@ -1267,7 +1269,7 @@ __device__ __forceinline__ void flash_decode(const P& p) {
         }
         if (p.num_splits == 1) {
             float lse;
-            float inv = score::finish_row(mx, sum, token, Sq, Sk, batch, head, p, lse);
+            float inv = score::finish_row(mx, sum, token, Sq, max(Sk, 0), batch, head, p, lse);
             if (any_bad) inv = lse = nan;
             elem_t* o = p.o + batch * p.o_sb + token * p.o_ss + head * p.o_sh + col;
             *reinterpret_cast<uint2*>(o) = make_uint2(pack2<IS_BF16>(acc[0] * inv, acc[1] * inv),

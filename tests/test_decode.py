@@ -179,6 +179,19 @@ def test_plans_compile_without_spills(arch, spec, page_size):
 
 
 @pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
+@pytest.mark.parametrize("mask", ["none", "causal", "sliding_window(4096, 0)"])
+@pytest.mark.parametrize("head_dim, ratio", [(64, 8), (96, 4), (128, 4), (256, 2)])
+def test_every_default_plan_compiles_without_spills(head_dim, ratio, mask):
+    """The default config at every head dim, over each kind of cache (pages of 16, pages of whole key
+    blocks, contiguous) on the default target: no spills (d96 causal contiguous once spilled 4 bytes)."""
+    spec = AttentionSpec(head_dim=head_dim, gqa_ratio=ratio, mask=mask)
+    for page_size in (16, 64, None):
+        plan = decode_plan(spec, H100, page_size is not None, page_size)
+        report = nvcc.check_plan(plan)
+        assert report.spill_bytes == 0 and report.stack_frame_bytes == 0, (plan.name, report.log)
+
+
+@pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
 @pytest.mark.parametrize("page_size", [16, 64, None], ids=["paged", "whole-pages", "contiguous"])
 @pytest.mark.parametrize("loads", ["cp_async", "tma"])
 def test_sm90_kernels_wait_for_the_kernel_before_them_before_touching_memory(tmp_path, loads, page_size):

@@ -207,23 +207,28 @@ def test_decode_equals_the_forward_on_the_same_cache():
         assert (out[b:b + 1].float() - fwd.float()).abs().max().item() <= 2 * 2**-8 * (fwd.float().abs().max().item() + 4)
 
 
-@pytest.mark.parametrize("page", [64, 16])  # whole key blocks (their own plan) and the per-row plan
+# Pages of 64 (whole key blocks: their own plan), of 16 (the per-row plan), a contiguous cache (lengths only).
+@pytest.mark.parametrize("page", [64, 16, None])
 @pytest.mark.parametrize("loads", LOADS)
 def test_bad_lengths_and_page_ids_poison_only_their_sequence(loads, page):
     import torch
 
     spec = _loads_spec(loads, head_dim=64, gqa_ratio=2)
-    k, v, table = make_cache(4, 256, 1, 64, page, seed=7)
-    table[2, 1] = k.shape[0] + 5  # a page id past the cache, within sequence 2's length
-    table[3, 100 // page + 1] = -1  # past sequence 3's length (100): never read
-    lens = torch.tensor([300, -1, 200, 100], dtype=torch.int32, device="cuda")  # 300 > capacity 256
+    k, v, table = make_cache(4, 256, 1, 64, page or 0, seed=7, paged=page is not None)
+    if page is not None:
+        table[2, 1] = k.shape[0] + 5  # a page id past the cache, within sequence 2's length
+        table[3, 100 // page + 1] = -1  # past sequence 3's length (100): never read
+    lens = torch.tensor([300, -1, 200 if page else -7, 100], dtype=torch.int32, device="cuda")  # capacity 256
     q = _q(4, 1, 2, 64, 8)
     for num_splits in (1, 3):
         out, lse = attngen.decode(q, k, v, lens, page_table=table, spec=spec, num_splits=num_splits, return_lse=True)
         torch.cuda.synchronize()
         assert out[:3].isnan().all() and lse[:3].isnan().all(), num_splits
         assert out[3].isfinite().all() and lse[3].isfinite().all()
-        ref = reference.decode_attention(q[3:], k, v, lens[3:].cpu(), spec, page_table=table[3:].cpu())[0]
+        if table is None:
+            ref = reference.decode_attention(q[3:], k[3:], v[3:], lens[3:].cpu(), spec)[0]
+        else:
+            ref = reference.decode_attention(q[3:], k, v, lens[3:].cpu(), spec, page_table=table[3:].cpu())[0]
         kb, vb = (reference.gather_cache(t, table, 3, 100) for t in (k, v))
         assert tolerance.check_output(out[3:], ref, q[3:], kb, vb, "bf16", spec.effective_scale) is None
 
