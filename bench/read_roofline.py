@@ -2,6 +2,7 @@
 (16-byte loads past L1, several in flight per thread, a grid-stride loop, one word written per thread),
 swept over CTAs per SM, threads and loads in flight, at the decode bench's K+V sizes. The best rate
 per size is the read ceiling a decode kernel of that size could reach (it reads nothing else of note).
+Sizes that fit in L2 (50 MB on the H100) are read from L2 after the first launch: not DRAM's rate.
 
     PYTHONPATH=. python bench/read_roofline.py [--sizes-mb 134,268,537,4295] [--reps 20]
 
