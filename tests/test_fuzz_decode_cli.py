@@ -46,6 +46,16 @@ class DropsLastPartialPage(ReferenceDecodeRunner):
         return super().__call__(q, k_cache, v_cache, cache_seqlens, page_table=page_table, **kw)
 
 
+class ReadsPastLengthsOnWholePages(ReferenceDecodeRunner):
+    """Broken only where the plan for pages of whole key blocks runs (page sizes a multiple of 64)."""
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, *, page_table, **kw):
+        if page_table is not None and k_cache.shape[1] % 64 == 0:
+            cache_seqlens = cache_seqlens + 1
+            page_table = _clamped(page_table, k_cache)
+        return super().__call__(q, k_cache, v_cache, cache_seqlens, page_table=page_table, **kw)
+
+
 class Recording(ReferenceDecodeRunner):
     """The reference, recording what each call got: shapes, lengths, splits and a checksum of q."""
 
@@ -107,6 +117,17 @@ def test_a_correct_decode_passes_every_kernel_of_the_pool_and_exits_0(decode_run
     assert f"{3 * len(specs)} cases in" in result.output and "0 failures" in result.output
     assert "decode: every sequence's output and LSE checked against the float64 reference" in result.output
     assert not (tmp_path / "failures").exists()
+
+
+def test_a_failure_on_pages_of_whole_blocks_is_found_named_and_shrunk(decode_runner, spec_file, tmp_path):
+    """A decode broken only on pages of whole key blocks: found, named by that kernel, shrunk to a case on
+    pages that kernel takes (its search draws only those: tests/test_fuzz_paged.py)."""
+    decode_runner["runner"] = ReadsPastLengthsOnWholePages
+    result = fuzz("--decode", spec_file, "--examples", 50, "--seed", 2, *SMALL, "--out", tmp_path / "out")
+    assert result.exit_code == 1, result.output
+    assert f"kernel: {WHOLE_PAGES}" in result.output and "shrunk in" in result.output
+    record = json.loads((_reproducer(result.output) / CASE_FILE).read_text())
+    assert record["case"]["page_size"] % 64 == 0 and record["failure"]["kind"] == "output"
 
 
 def test_a_read_past_each_length_is_shrunk_written_and_replayable(decode_runner, spec_file, tmp_path):

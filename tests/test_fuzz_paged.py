@@ -67,6 +67,13 @@ def test_caches_hold_values_where_a_decode_reads_and_nan_elsewhere(case):
         assert case.batch * case.heads_kv * case.spec.head_dim * max(case.lengths) <= SMALL.cache_elements
 
 
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(decode_cases(SPECS, SMALL, paged=True, page_sizes=(64, 192)))
+def test_a_focused_search_draws_only_its_kernels_page_sizes(case):
+    """attngen/fuzz/decode_search.py focuses a failure's search on the page sizes its kernel takes."""
+    assert case.page_size in (64, 192)
+
+
 def test_inputs_are_a_function_of_the_case():
     a, b = make_decode_inputs(CASE), make_decode_inputs(CASE)
     assert all(torch.equal(t, u) for t, u in ((a.q, b.q), (a.page_table, b.page_table)))

@@ -6,7 +6,7 @@ two kernels), so every kernel runs even in a short search."""
 from __future__ import annotations
 
 from attngen.fuzz.decode_check import case_kernel_name, run_decode_case
-from attngen.fuzz.paged import DecodeCase, DecodeLimits, decode_cases, first_decode_cases
+from attngen.fuzz.paged import MAX_PAGE_SIZE, DecodeCase, DecodeLimits, decode_cases, first_decode_cases
 from attngen.fuzz.search import OnCase, SearchOutcome, check_search_arguments, run_search
 
 # Instrumented kernels run 10-1000x slower: the sanitizer's sample prefers cases whose caches hold
@@ -45,8 +45,12 @@ def search_decode(specs, runner, *, examples: int, seed: int, time_budget: float
     if not specs:
         raise ValueError("specs=() is invalid; allowed: at least one AttentionSpec a decode family runs")
 
-    def focus(case: DecodeCase):  # the failing case's kernel: its spec, and a paged or a contiguous cache
-        return decode_cases([case.spec], limits, paged=case.page_size is not None)
+    def focus(case: DecodeCase):  # the failing case's kernel: its spec, and the caches that kernel takes
+        if case.page_size is None:
+            return decode_cases([case.spec], limits, paged=False)
+        kernel = runner.kernel_name(case.spec, case.page_size)  # pages of whole key blocks have their own
+        same = tuple(size for size in range(1, MAX_PAGE_SIZE + 1) if runner.kernel_name(case.spec, size) == kernel)
+        return decode_cases([case.spec], limits, paged=True, page_sizes=same)
 
     return run_search(decode_cases(specs, limits), first_decode_cases(specs, limits)[:examples], focus, runner,
                       DecodeOutcome(seed=seed, examples=examples), time_budget, on_case, check=run_decode_case,

@@ -275,15 +275,17 @@ def first_decode_cases(specs, limits: DecodeLimits = DecodeLimits()) -> list[Dec
 
 @st.composite
 def decode_cases(draw, specs: list[AttentionSpec], limits: DecodeLimits = DecodeLimits(),
-                 paged: bool | None = None) -> DecodeCase:
-    """Cases over `specs`: paged caches, contiguous ones or (None) both. Every draw starts with a small
-    range (hypothesis shrinks to short caches, one sequence, one token, a contiguous cache and the
-    kernel's own split count)."""
+                 paged: bool | None = None, page_sizes: tuple[int, ...] | None = None) -> DecodeCase:
+    """Cases over `specs`: paged caches, contiguous ones or (None) both; paged ones of `page_sizes` only
+    when given (the page sizes one kernel takes). Every draw starts with a small range (hypothesis
+    shrinks to short caches, one sequence, one token, a contiguous cache and the kernel's own split
+    count)."""
     spec = draw(st.sampled_from(specs))
     batch = draw(st.integers(1, limits.max_batch))
     heads_kv = draw(st.integers(1, limits.max_heads_kv))
-    page_sizes = st.one_of(st.sampled_from(PAGE_SIZES), st.integers(1, MAX_PAGE_SIZE))
-    page_size = draw(st.none() if paged is False else page_sizes if paged else st.one_of(st.none(), page_sizes))
+    sizes = st.sampled_from(page_sizes) if page_sizes else st.one_of(st.sampled_from(PAGE_SIZES),
+                                                                      st.integers(1, MAX_PAGE_SIZE))
+    page_size = draw(st.none() if paged is False else sizes if paged else st.one_of(st.none(), sizes))
     longest = min(limits.max_length, limits.cache_elements // (batch * heads_kv * spec.head_dim))
     unit = page_size or 64
     length = st.one_of(
