@@ -118,8 +118,9 @@ def test_a_strided_paged_cache_matches_the_reference(page_size, loads):
 @pytest.mark.parametrize("page_size", [64, 128, 256])
 def test_long_sequences_over_pages_of_whole_blocks_match_the_reference(page_size):
     """Pages of whole 64-key blocks hold their ids 32 pages at a time per lane (flash_decode.cuh
-    WHOLE_PAGES): sequences of 80 to 160 pages, so every split's window moves, from wherever the split
-    starts in a page and in a window; pages of 128 and 256 take two and four blocks each."""
+    WHOLE_PAGES): sequences of 80 to 160 pages, so under 1 and 2 splits the windows move (from a split
+    starting mid-page, mid-window), and more splits start windows anywhere; pages of 128 and 256 take two
+    and four blocks each."""
     import torch
 
     spec = AttentionSpec(head_dim=128, gqa_ratio=4)

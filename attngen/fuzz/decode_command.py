@@ -2,8 +2,8 @@
 both): its pool (the SPEC files, else the fuzz pool's problems a decode family runs), its limits
 (--max-seq-len is the longest cache), its search (attngen/fuzz/decode_search.py) and its table.
 
-Each spec runs as two kernels, a decode plan over a paged and one over a contiguous cache. Spec
-files pinning a decode family's config fuzz that config; a spec no decode family runs on this GPU,
+Each spec runs as up to three kernels, the decode plans over pages of whole key blocks, over other
+pages and over a contiguous cache (a TMA plan takes every page size in one). Spec files pinning a decode family's config fuzz that config; a spec no decode family runs on this GPU,
 or one of packed sequences (the forward's), is a usage error naming the file.
 """
 

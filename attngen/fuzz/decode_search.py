@@ -1,7 +1,8 @@
 """The search of `attngen fuzz --decode`: paged decode cases (attngen/fuzz/paged.py) through the
 forward fuzz's search (search.run_search): the same seed, examples, time budget, shrinking, sticky
-GPU errors and harness errors. Its first cases are two per spec (a paged and a contiguous cache:
-two kernels), so every kernel runs even in a short search."""
+GPU errors and harness errors. Its first cases are three per spec (pages of 16, pages of 256 and a
+contiguous cache: paged.first_decode_cases), so every kernel runs even in a short search; a failure's
+search then draws only the caches its kernel takes."""
 
 from __future__ import annotations
 
