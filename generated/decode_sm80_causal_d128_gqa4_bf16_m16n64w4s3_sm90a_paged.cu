@@ -1306,9 +1306,14 @@ __device__ __forceinline__ void combine(const Params& p) {
     __shared__ float merge_sum[COMBINE_WARPS];
     pdl_wait();  // launched early (sm_90): the split kernel's partials are complete and visible from here
     pdl_launch_dependents();  // the next kernel (the next decode step's split kernel) may be scheduled now
+    // The row's indices in 32 bits (rows = batch x Sq x Hq fits, as the grid's x does): in 64 bits they
+    // were a ~70-instruction division call between the wait and the first read.
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const i64 row = blockIdx.x, rows = (i64)p.batch * p.Sq * p.Hq;
-    const int head = (int)(row % p.Hq), token = (int)(row / p.Hq % p.Sq), batch = (int)(row / ((i64)p.Hq * p.Sq));
+    const unsigned row_in_batch = blockIdx.x % (unsigned)(p.Hq * p.Sq);
+    const int head = (int)(row_in_batch % (unsigned)p.Hq), token = (int)(row_in_batch / (unsigned)p.Hq);
+    const int batch = (int)(blockIdx.x / (unsigned)(p.Hq * p.Sq));
+    const int len = cache_len(p, batch);  // requested with the partials (a sink's finish_row reads it)
     const int splits = p.num_splits;
     const float* o_row = p.o_part + row * HEAD_DIM + lane * PER_LANE;
 
@@ -1377,7 +1382,6 @@ __device__ __forceinline__ void combine(const Params& p) {
     sum = 0.f;
 #pragma unroll
     for (int w = 0; w < COMBINE_WARPS; ++w) sum += merge_sum[w];
-    const int len = cache_len(p, batch);
     float lse;
     float inv = score::finish_row(mx, sum, token, p.Sq, len < 0 ? 0 : len, batch, head, p, lse);
     if (nan_seen) inv = lse = __int_as_float(0x7fc00000);

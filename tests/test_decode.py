@@ -56,6 +56,7 @@ def test_a_well_formed_call_passes_the_checks():
     (dict(page_table=None), "the contiguous cache k_cache has batch 10 but q has batch 2"),
     (dict(k=info("k_cache", (10, 64, 2, 128), strides=(64 * 256, 256, 128, 2))), "contiguous in its last dim"),
     (dict(q=info("q", (2, 1, 8, 128), ptr=8)), "16-byte aligned"),
+    (dict(q=info("q", (2, 1 << 27, 8, 128))), r"2147483648 output rows \(batch x seq_q x heads_q\); allowed: fewer"),
 ])
 def test_bad_arguments_are_named(change, message):
     a = paged_call(**change)

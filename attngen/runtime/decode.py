@@ -88,6 +88,9 @@ def check_decode_inputs(problem, q: TensorInfo, k: TensorInfo, v: TensorInfo, se
         raise ValueError(f"the cache holds {capacity} tokens per sequence; allowed: fewer than 2**31")
     if B > MAX_GRID_YZ:
         raise ValueError(f"batch {B} exceeds the supported maximum {MAX_GRID_YZ}")
+    if B * Sq * Hq >= 2**31:  # the combine kernel: one CTA per output row, its indices in 32 bits
+        raise ValueError(f"q has shape {q.shape}: {B * Sq * Hq} output rows (batch x seq_q x heads_q); allowed: "
+                         "fewer than 2**31")
 
 
 def decode_call(problem, q, k, v, seqlens, page_table, out, lse, softmax_scale, num_splits, inputs) -> DecodeCall:
