@@ -3,8 +3,9 @@ both): its pool (the SPEC files, else the fuzz pool's problems a decode family r
 (--max-seq-len is the longest cache), its search (attngen/fuzz/decode_search.py) and its table.
 
 Each spec runs as up to three kernels, the decode plans over pages of whole key blocks, over other
-pages and over a contiguous cache (a TMA plan takes every page size in one). Spec files pinning a decode family's config fuzz that config; a spec no decode family runs on this GPU,
-or one of packed sequences (the forward's), is a usage error naming the file.
+pages and over a contiguous cache (a TMA plan takes every page size in one). Spec files pinning a
+decode family's config fuzz that config; a spec no decode family runs on this GPU, or one of packed
+sequences (the forward's), is a usage error naming the file.
 """
 
 from __future__ import annotations
@@ -57,4 +58,5 @@ def _families(pool, target) -> str:
 
     counts = Counter(decode_plan(spec, target, paged=True).family for spec in pool)
     kernels = {decode_plan(spec, target, size is not None, size).name for spec in pool for size in FIRST_PAGE_SIZES}
-    return ", ".join(f"{family}: {n}" for family, n in counts.items()) + f" ({len(kernels)} kernels: paged and contiguous)"
+    families = ", ".join(f"{family}: {n}" for family, n in counts.items())
+    return f"{families} ({len(kernels)} kernels: paged and contiguous)"

@@ -2,8 +2,9 @@
 
 A decode runner has a `device`, a `target`, a `machine` (as attngen/fuzz/runners.py's), and
 `kernel_name(spec, page_size)`: the decode plan it runs for a spec over a paged cache of that page
-size or (None) a contiguous one (pages of whole key blocks have a plan of their own). It is called as attngen.decode is, `runner(q, k_cache, v_cache, cache_seqlens,
-page_table=..., spec=..., num_splits=..., inputs=..., return_lse=True)`, and returns (out, lse).
+size or (None) a contiguous one (pages of whole key blocks have a plan of their own). It is called as
+attngen.decode is, `runner(q, k_cache, v_cache, cache_seqlens, page_table=..., spec=...,
+num_splits=..., inputs=..., return_lse=True)`, and returns (out, lse).
 `DecodeKernelRunner` runs attngen.decode on the GPU; `ReferenceDecodeRunner` runs the reference on
 the CPU (correct by construction), so the CPU tests can run `attngen fuzz --decode` end to end and
 wrap it to build deliberately broken decodes.

@@ -196,8 +196,9 @@ def box_rows(plan: "DecodePlan", call: DecodeCall) -> int:
 def whole_pages(config: DecodeConfig, page_size: int | None) -> bool:
     """Whether a paged call takes the plan for pages of whole blocks: cp.async loads (a TMA plan keeps one
     kernel for every page size: boxes, or its own cp.async path where a call's layout cannot be boxed) and
-    a page size that is a multiple of block_n, so a block never straddles two pages. Those plans find each block's rows as the contiguous cache does and read the page table
-    32 ids at a time (flash_decode.cuh WHOLE_PAGES); every other page size takes the per-row plan."""
+    a page size that is a multiple of block_n, so a block never straddles two pages. Those plans find each
+    block's rows as the contiguous cache does and read the page table 32 ids at a time (flash_decode.cuh
+    WHOLE_PAGES); every other page size takes the per-row plan."""
     return page_size is not None and config.loads == "cp_async" and page_size % config.block_n == 0
 
 
