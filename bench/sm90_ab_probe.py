@@ -6,6 +6,7 @@ buffers).
 
     git show HEAD:attngen/families/fwd_sm90/flash_fwd_sm90.cuh > .ab/base.cuh
     PYTHONPATH=. python bench/sm90_ab_probe.py --base .ab/base.cuh [--rounds 2] [CASE ...]
+    PYTHONPATH=. python bench/sm90_ab_probe.py --base .ab/base.cuh --variant b=.ab/b.cuh [CASE ...]   (three builds)
     PYTHONPATH=. python bench/sm90_ab_probe.py --ordinary [--rounds 2] [CASE ...]   (early launch behind set-up, or not)
     PYTHONPATH=. python bench/sm90_ab_probe.py --configs [--rounds 2] [CASE ...]
 
@@ -224,6 +225,8 @@ def documents_case():
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", type=Path, help="the other version of flash_fwd_sm90.cuh")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
+                        help="with --base: one more version of the header, timed in the same rounds")
     parser.add_argument("--ordinary", action="store_true",
                         help="the working tree's kernels launched early behind their set-up kernel (family.py "
                              "EARLY_AFTER_SETUP) against the ordinary launch")
@@ -238,7 +241,8 @@ def main() -> None:
     if args.base is None and not args.ordinary:
         parser.error("--base FILE, --ordinary or --configs")
     # Two builds, rounds alternating: (name, header text or None for the tree's, early launch behind set-up).
-    builds = (("base", args.base.read_text(), True), ("new", None, True)) if args.base else \
+    variants = tuple((name, Path(file).read_text(), True) for name, _, file in (v.partition("=") for v in args.variant))
+    builds = (("base", args.base.read_text(), True), *variants, ("new", None, True)) if args.base else \
         (("ordinary", None, False), ("early", None, True))
     names = args.cases or ["documents", *DENSE]
     torch.manual_seed(0)
