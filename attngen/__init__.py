@@ -22,11 +22,12 @@ __all__ = ["AttentionSpec", "CompileError", "MissingDependency", "Problem", "Spe
 __version__ = "0.2.0"
 
 
-def compile(spec, device=None, *, fault=None):  # noqa: A001 - the public name mirrors torch.compile
-    """Plan, build (disk-cached) and load a spec's kernel for a GPU; see attngen.runtime.dispatch.compile."""
+def compile(spec, device=None, *, fault=None, seqlen=None):  # noqa: A001 - the public name mirrors torch.compile
+    """Plan, build (disk-cached) and load a spec's kernel for a GPU (for calls of at most `seqlen` tokens,
+    where given); see attngen.runtime.dispatch.compile."""
     from attngen.runtime.dispatch import compile as _compile
 
-    return _compile(spec, device, fault=fault)
+    return _compile(spec, device, fault=fault, seqlen=seqlen)
 
 
 def __getattr__(name):

@@ -111,7 +111,9 @@ def _implementations(head_dim: int, causal: bool, seqlen: int, gqa_ratio: int = 
     from attngen.spec import AttentionSpec
 
     spec = AttentionSpec(head_dim=head_dim, dtype="bf16", mask="causal" if causal else "none", gqa_ratio=gqa_ratio)
-    kernels = {"attngen": attngen.compile(spec), "attngen_sm80": attngen.compile(spec.replace(family="fwd_sm80"))}
+    # The kernels the front door resolves for calls of this length (fwd_sm90 has tiles for short ones).
+    kernels = {"attngen": attngen.compile(spec, seqlen=seqlen),
+               "attngen_sm80": attngen.compile(spec.replace(family="fwd_sm80"), seqlen=seqlen)}
     # Timed through the front door users call (attngen.attention, its prepared fast path), pinned to the
     # compiled kernel's family and config: a Kernel object called directly re-checks the tensors and
     # re-encodes the tensor maps every call (~100 us on the H100's host), which left the GPU idle between

@@ -141,6 +141,19 @@ CONFIGS = {
     "d128-causal-1k": (128, "causal", 16, 1024, 16, 16, ["m128n128s2opr", "m128n128s2opr/q2", "m128n128s2opd",
                                                          "m128n128s2op"]),
     "d128-none-512": (128, "none", 32, 512, 16, 16, ["m128n160s2opr", "m128n176s2opr", "m128n128s2opr"]),
+    # Short sequences, the defaults against the smaller tiles (the bench's shapes: 16k tokens, hidden 2048).
+    "d128-none-512s": (128, "none", 32, 512, 16, 16, ["m128n160s2oprc", "m128n128s2opr", "m128n128s2oprc",
+                                                      "m128n128s2opd", "m128n64s3opd"]),
+    "d128-none-1ks": (128, "none", 16, 1024, 16, 16, ["m128n160s2oprc", "m128n128s2opr", "m128n128s2oprc",
+                                                      "m128n128s2opd"]),
+    "d128-causal-512s": (128, "causal", 32, 512, 16, 16, ["m128n128s2opr", "m128n128s2opd", "m128n64s3opd",
+                                                          "m128n64s2opr"]),
+    "d64-causal-512": (64, "causal", 32, 512, 32, 32, ["m192n128s2opd", "m128n128s2opd", "m128n64s3opd",
+                                                       "m128n128s2opr", "m192n64s3opd"]),
+    "d64-causal-1k": (64, "causal", 16, 1024, 32, 32, ["m192n128s2opd", "m128n128s2opd", "m128n64s3opd",
+                                                       "m128n128s2opr"]),
+    "d64-none-512": (64, "none", 32, 512, 32, 32, ["m192n128s2opd", "m128n128s2opd", "m192n128s2opr",
+                                                   "m128n128s2opr"]),
 }
 
 

@@ -219,3 +219,9 @@ def test_compile_names_a_bad_device(device):
     """A device that is no GPU index failed inside CuPy ("an integer is required")."""
     with pytest.raises(ValueError, match=r"device=.* is invalid; allowed: None \(the current GPU\) or a GPU index"):
         attngen.compile(AttentionSpec(head_dim=64), device=device)
+
+
+@pytest.mark.parametrize("seqlen", [0, -5, 1.5, "512", True])
+def test_compile_names_a_bad_seqlen(seqlen):
+    with pytest.raises(ValueError, match=r"seqlen=.* is invalid; allowed: None \(length-free defaults\) or an int >= 1"):
+        attngen.compile(AttentionSpec(head_dim=64), device=0, seqlen=seqlen)

@@ -191,6 +191,47 @@ def test_sm90_lazy_rescale_where_measured_faster():
         assert plan_spec(AttentionSpec(head_dim=64, mask=mask, family="fwd_sm90"), H100).lazy_rescale
 
 
+def test_sm90_short_sequences_take_their_own_defaults(monkeypatch):
+    # Calls of at most SHORT_SEQLEN tokens (the front door's length bucket) take tile_defaults.yaml's
+    # <kind>_short rows without GQA: 128-row tiles on pairs at d64 causal, 128-key blocks on pairs at d128
+    # without a mask (docs/perf-notes.md "Short sequences"); longer calls, GQA and kinds without a row keep theirs.
+    from types import SimpleNamespace
+
+    from attngen.families.fwd_sm90 import family as sm90
+    from attngen.runtime import dispatch
+    from attngen.tune import lookup
+
+    family = get_family("fwd_sm90")
+
+    def label(d, mask, seqlen, gqa=1, **pinned):
+        problem = AttentionSpec(head_dim=d, mask=mask, gqa_ratio=gqa).problem
+        return family.resolve_config(problem, H100, pinned, seqlen).label()
+
+    assert sm90.SHORT_SEQLEN == 1024
+    for seqlen in (1, 512, 1024):
+        assert label(64, "causal", seqlen) == "m128n128s2opr"
+        assert label(128, "none", seqlen) == "m128n128s2opr"
+        assert label(128, "none", seqlen, block_n=64) == "m128n64s2opr"  # pinned fields over the short default
+    for seqlen in (2048, 16384, None):
+        assert label(64, "causal", seqlen) == "m192n128s2opd" and label(128, "none", seqlen) == "m128n160s2oprc"
+    assert label(64, "causal", 512, gqa=4) == "m192n128s2opd"  # measured without GQA only
+    assert label(128, "causal", 512) == label(128, "causal", None) == "m128n128s2opr"  # no row: the long one wins there
+    assert label(64, "none", 512) == "m192n128s2opd"
+
+    # The front door asks for the bucket of max(Sq, Sk): 1,000 and 1,024 tokens are short, 1,025 is not.
+    monkeypatch.setattr(dispatch.targets, "device_target", lambda device: H100)
+    monkeypatch.setattr(dispatch, "kernel_for", lambda plan, device: plan)
+    monkeypatch.setattr(lookup, "recent_stamp", lambda: None)  # no tuning database
+    dispatch.forget()
+    spec = AttentionSpec(head_dim=64, mask="causal")
+    for (sq, sk), expected in (((1000, 1000), "m128n128s2opr"), ((1024, 1024), "m128n128s2opr"),
+                               ((1025, 1025), "m192n128s2opd"), ((1, 2048), "m192n128s2opd")):
+        q = SimpleNamespace(shape=(8, sq, 16, 64), device=0)
+        k = SimpleNamespace(shape=(8, sk, 16, 64), device=0)
+        assert dispatch.resolve(spec, q, k).config.label() == expected, (sq, sk)
+    dispatch.forget()
+
+
 def test_sm90_dynamic_schedule_launches(monkeypatch):
     """A dynamic schedule zeroes its counter (in the workspace, after any mask table) in a launch
     before the kernel's, sizes its grid to the SMs and its sections to the K/V that fit in L2."""
@@ -294,13 +335,16 @@ CUOBJDUMP = nvcc.find_cuobjdump()
 
 # Every default config of tile_defaults.yaml's none and causal rows (and causal under GQA, which has
 # its own): 0 spills, no serialised wgmma, and the Hopper instructions.
-SM90_DEFAULTS = [(d, mask, 1) for d in (64, 96, 128, 256) for mask in ("none", "causal")] + [(128, "causal", 4)]
+SM90_DEFAULTS = [(d, mask, 1) for d in (64, 96, 128, 256) for mask in ("none", "causal")] + [(128, "causal", 4)] \
+    + [(64, "causal/short", 1), (128, "none/short", 1)]  # the defaults of calls of at most 1k tokens
 
 
 @pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
 @pytest.mark.parametrize("d, mask, gqa", SM90_DEFAULTS)
 def test_sm90_binary_is_built_of_wgmma_and_tma(tmp_path, d, mask, gqa):
-    plan = plan_spec(AttentionSpec(head_dim=d, mask=mask, gqa_ratio=gqa, family="fwd_sm90"), H100)
+    mask, short = mask.removesuffix("/short"), mask.endswith("/short")
+    plan = plan_spec(AttentionSpec(head_dim=d, mask=mask, gqa_ratio=gqa, family="fwd_sm90"), H100,
+                     seqlen=512 if short else None)
     cubin = tmp_path / "k.cubin"
     report = nvcc.check_plan(plan, keep_cubin=cubin)
     assert report.spill_bytes == 0 and report.stack_frame_bytes == 0, report.log

@@ -83,11 +83,13 @@ def select(problem, target, family: str | None = None, operation: str = "forward
     return found[0]
 
 
-def plan_spec(spec, target=None, *, fault: str | None = None, operation: str | None = None) -> Plan:
+def plan_spec(spec, target=None, *, fault: str | None = None, operation: str | None = None,
+              seqlen: int | None = None) -> Plan:
     """The plan a spec makes for `target` (default: the spec's arch, else sm_90): its pinned family or
     the preferred one, its pinned config fields and the family's defaults for the rest. No tuning
     lookup (attngen/runtime/dispatch.py adds that). `operation`: the one the caller runs ("forward"
-    for attention()); None takes a pinned family's own (`attngen generate` of a decode spec)."""
+    for attention()); None takes a pinned family's own (`attngen generate` of a decode spec).
+    `seqlen`: the call's longest sequence where the caller knows it (a default may depend on it)."""
     from attngen import targets
 
     if target is None:
@@ -96,7 +98,7 @@ def plan_spec(spec, target=None, *, fault: str | None = None, operation: str | N
         if operation is None:
             operation = get_family(spec.family).operation if spec.family else "forward"
         family = select(spec.problem, target, spec.family, operation)
-        config = family.resolve_config(spec.problem, target, spec.pinned if spec.family == family.name else {})
+        config = family.resolve_config(spec.problem, target, spec.pinned if spec.family == family.name else {}, seqlen)
         return family.plan(spec.problem, target, config, fault=fault)
     except SpecError as exc:
         if spec.source and not str(exc).startswith(spec.source):

@@ -8,7 +8,8 @@ folder (Python, templates, headers) and implements `KernelFamily`:
   config_fields                 the tunable fields and their allowed values
   check_config(config)          problems with a (partial) config: the spec validates with it
   configs(problem, target)      every configuration the tuner may time
-  default_config(...)           what runs when nothing is tuned or pinned
+  default_config(...)           what runs when nothing is tuned or pinned (seqlen: the call's longest
+                                   sequence, rounded up to a power of two, where the caller knows it)
   plan(problem, target, config) -> Plan: kernels, threads, shared memory, ABI; SpecError if it
                                    cannot be built for the target
   render(plan)                  -> the CUDA source of the plan's module
@@ -380,11 +381,14 @@ class KernelFamily(ABC):
         target: plan() says which do."""
 
     @abstractmethod
-    def default_config(self, problem: Problem, target: Target) -> Config: ...
+    def default_config(self, problem: Problem, target: Target, seqlen: int | None = None) -> Config:
+        """What runs when nothing is tuned or pinned; `seqlen`, where known (the front door's shape
+        bucket: max(Sq, Sk) rounded up to a power of two), may choose a config for short sequences."""
 
     @abstractmethod
-    def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any]) -> Config:
-        """The config with the pinned fields, the rest filled in from the default."""
+    def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any],
+                       seqlen: int | None = None) -> Config:
+        """The config with the pinned fields, the rest filled in from the default (for `seqlen`)."""
 
     @abstractmethod
     def plan(self, problem: Problem, target: Target, config: Config, *, fault: str | None = None) -> Plan: ...

@@ -2,8 +2,9 @@
 
 A call is resolved per (spec, shape bucket, device): the spec's pinned family and config, the
 tuned entry for the bucket on this GPU when `attngen tune` stored one (attngen/tune/lookup.py),
-else the preferred family's defaults. The answer is memoized, and reused while the tuning
-database is unchanged (lookup.stamp(): a write by this process or a change of the file).
+else the preferred family's defaults for the call's length bucket. The answer is memoized, and
+reused while the tuning database is unchanged (lookup.stamp(): a write by this process or a
+change of the file).
 Kernels are planned and compiled for the GPU they run on (attngen/targets.py), whatever arch
 the spec names for offline generation: arch-specific code never runs on another GPU.
 """
@@ -122,16 +123,23 @@ def current_device() -> int:
     return require_cupy().cuda.runtime.getDevice()
 
 
-def compile(spec: AttentionSpec, device: int | None = None, *, fault: str | None = None) -> Kernel:  # noqa: A001
+def compile(spec: AttentionSpec, device: int | None = None, *, fault: str | None = None,  # noqa: A001
+            seqlen: int | None = None) -> Kernel:
     """Plan, build (disk-cached) and load `spec` for a GPU (default: the current one), without
-    consulting the tuning database. `fault` names a deliberate bug from attngen/faults.py, for
-    testing the fuzzer."""
+    consulting the tuning database. `seqlen`: the longest sequence (max of Sq and Sk) of the calls it
+    is for, so the defaults are those the front door takes for such calls (fwd_sm90 has its own for
+    at most 1k tokens); None: the length-free defaults. `fault` names a deliberate bug from
+    attngen/faults.py, for testing the fuzzer."""
     if not isinstance(spec, AttentionSpec):
         raise ValueError(f"spec must be an attngen.AttentionSpec, got {type(spec).__name__}")
     if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
         raise ValueError(f"device={device!r} is invalid; allowed: None (the current GPU) or a GPU index >= 0")
+    if seqlen is not None and (isinstance(seqlen, bool) or not isinstance(seqlen, int) or seqlen < 1):
+        raise ValueError(f"seqlen={seqlen!r} is invalid; allowed: None (length-free defaults) or an int >= 1")
     device = current_device() if device is None else device
-    return kernel_for(families.plan_spec(spec, targets.device_target(device), fault=fault, operation="forward"), device)
+    plan = families.plan_spec(spec, targets.device_target(device), fault=fault, operation="forward",
+                              seqlen=None if seqlen is None else _bucket(seqlen))
+    return kernel_for(plan, device)
 
 
 # -- the front door's resolution: tuned entries, memoized per shape bucket ------------------------
@@ -161,11 +169,12 @@ def resolve(spec: AttentionSpec, q: TensorInfo, k: TensorInfo) -> Kernel:
 
     spec = forward_part(spec)
     device = q.device
+    seqlen = _bucket(max(q.shape[1], k.shape[1]))
     if spec.fully_configured:
         key = (spec, device)
         stamp = None
     else:
-        key = (spec, _bucket(max(q.shape[1], k.shape[1])), _bucket(q.shape[0] * q.shape[2]), device)
+        key = (spec, seqlen, _bucket(q.shape[0] * q.shape[2]), device)
         stamp = lookup.recent_stamp()
     hit = _resolved.get(key)
     if hit is not None and hit[0] == stamp:
@@ -178,8 +187,8 @@ def resolve(spec: AttentionSpec, q: TensorInfo, k: TensorInfo) -> Kernel:
             family_name, config = tuned
             family = families.get_family(family_name)
             plan = family.plan(spec.problem, target, family.resolve_config(spec.problem, target, config))
-    if plan is None:
-        plan = families.plan_spec(spec, target, operation="forward")
+    if plan is None:  # the defaults for this length bucket (fwd_sm90 has tiles for short sequences)
+        plan = families.plan_spec(spec, target, operation="forward", seqlen=seqlen)
     kernel = kernel_for(plan, device)
     _resolved[key] = (stamp, kernel)
     return kernel

@@ -166,15 +166,16 @@ class Sm80Backward(KernelFamily):
                 if combo[1] / combo[2] in KEYS_PER_WARP
                 and _accumulator_registers(BwdConfig(*combo), problem.head_dim) <= ACCUMULATOR_BUDGET]
 
-    def default_config(self, problem: Problem, target: Target) -> BwdConfig:
+    def default_config(self, problem: Problem, target: Target, seqlen: int | None = None) -> BwdConfig:
         choices = [BwdConfig.from_label(label) for label in DEFAULTS.get(problem.head_dim, DEFAULTS[128])]
         for config in choices:
             if smem_bytes(config, problem.head_dim) <= target.smem_per_block:
                 return config
         return choices[-1]  # plan() then says why it does not fit
 
-    def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any]) -> BwdConfig:
-        default = self.default_config(problem, target)
+    def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any],
+                       seqlen: int | None = None) -> BwdConfig:
+        default = self.default_config(problem, target, seqlen)
         tile = {f: pinned.get(f, getattr(default, f)) for f in self.config_fields}
         keys = default.keys_per_warp
         if "block_n" not in pinned and "num_warps" in pinned:

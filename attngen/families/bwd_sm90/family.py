@@ -106,11 +106,12 @@ class Sm90Backward(KernelFamily):
         values = [(pinned[f],) if f in pinned else allowed for f, allowed in self.config_fields.items()]
         return [Sm90BwdConfig(*combo) for combo in itertools.product(*values)]
 
-    def default_config(self, problem: Problem, target: Target) -> Sm90BwdConfig:
+    def default_config(self, problem: Problem, target: Target, seqlen: int | None = None) -> Sm90BwdConfig:
         return Sm90BwdConfig(block_m=64, num_stages=2)
 
-    def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any]) -> Sm90BwdConfig:
-        default = self.default_config(problem, target)
+    def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any],
+                       seqlen: int | None = None) -> Sm90BwdConfig:
+        default = self.default_config(problem, target, seqlen)
         return Sm90BwdConfig(**{f: pinned.get(f, getattr(default, f)) for f in self.config_fields})
 
     def plan(self, problem: Problem, target: Target, config: Sm90BwdConfig, *,

@@ -251,15 +251,16 @@ class Sm80Decode(KernelFamily):
                 if combo[1] // combo[2] >= MIN_WARP_KEYS and combo[0] * problem.head_dim <= MAX_ROWS_TIMES_DIM
                 and (combo[4] != "tma" or target.cc >= 90)]
 
-    def default_config(self, problem: Problem, target: Target) -> DecodeConfig:
+    def default_config(self, problem: Problem, target: Target, seqlen: int | None = None) -> DecodeConfig:
         for stages in (3, 2):
             config = DecodeConfig(16, 64, 4, stages)
             if smem_bytes(config, problem.head_dim) <= target.smem_per_block // 2:  # two CTAs per SM
                 return config
         return DecodeConfig(16, 32, 2, 2)
 
-    def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any]) -> DecodeConfig:
-        default = self.default_config(problem, target)
+    def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any],
+                       seqlen: int | None = None) -> DecodeConfig:
+        default = self.default_config(problem, target, seqlen)
         return DecodeConfig(**{f: pinned.get(f, getattr(default, f)) for f in self.config_fields})
 
     def plan(self, problem: Problem, target: Target, config: DecodeConfig, *, fault: str | None = None,

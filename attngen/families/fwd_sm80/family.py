@@ -170,7 +170,7 @@ class Sm80Forward(KernelFamily):
         return [Sm80Config(*combo) for combo in itertools.product(*values)
                 if combo[0] / combo[2] in ROWS_PER_WARP]
 
-    def default_config(self, problem: Problem, target: Target) -> Sm80Config:
+    def default_config(self, problem: Problem, target: Target, seqlen: int | None = None) -> Sm80Config:
         plain = problem.mask in ("none", "causal") and problem.score_mod is None and problem.sink is None
         choices = _preferences()[problem.head_dim, not plain]
         for config in choices:
@@ -178,8 +178,9 @@ class Sm80Forward(KernelFamily):
                 return config
         return choices[-1]  # plan() then says why it does not fit
 
-    def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any]) -> Sm80Config:
-        default = self.default_config(problem, target)
+    def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any],
+                       seqlen: int | None = None) -> Sm80Config:
+        default = self.default_config(problem, target, seqlen)
         tile = {f: pinned.get(f, getattr(default, f)) for f in self.config_fields}
         # Only one of block_m / num_warps given: keep the default rows per warp for the other.
         rows = default.rows_per_warp

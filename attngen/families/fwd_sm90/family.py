@@ -272,6 +272,11 @@ def section_heads(call: ForwardCall, gqa_ratio: int, itemsize: int) -> int:
     return max(1, L2_SECTION_BYTES // max(kv_bytes, 1)) * gqa_ratio
 
 
+# Calls whose longest sequence is at most this many tokens take tile_defaults.yaml's <kind>_short row
+# where there is one (the front door knows the length; a spec's own default is the long one).
+SHORT_SEQLEN = 1024
+
+
 @functools.lru_cache(maxsize=None)
 def _preferences() -> dict[tuple[int, str], list[Sm90Config]]:
     """(head dim, none | causal | expressions, or one of those + "_gqa") -> configs in order of preference,
@@ -318,12 +323,15 @@ class Sm90Forward(KernelFamily):
         return [c for c in configs if not (c.cluster and (c.schedule != "pairs" or "cluster" not in pinned
                                                           and cluster_reason(c, problem, target)))]
 
-    def default_config(self, problem: Problem, target: Target) -> Sm90Config:
+    def default_config(self, problem: Problem, target: Target, seqlen: int | None = None) -> Sm90Config:
         plain = problem.mask in ("none", "causal") and problem.score_mod is None and problem.sink is None
         kind = "varlen" if problem.varlen else problem.mask if plain else "expressions"
         table = _preferences()
         if problem.gqa_ratio > 1 and (problem.head_dim, f"{kind}_gqa") in table:
             kind = f"{kind}_gqa"
+        elif problem.gqa_ratio == 1 and seqlen is not None and seqlen <= SHORT_SEQLEN \
+                and (problem.head_dim, f"{kind}_short") in table:
+            kind = f"{kind}_short"
         choices = table[problem.head_dim, kind]
         config = next((c for c in choices if smem_bytes(c, problem.head_dim) <= target.smem_per_block
                        and not (problem.dropout_p and c.consumers > DROPOUT_CONSUMERS)
@@ -336,8 +344,9 @@ class Sm90Forward(KernelFamily):
             config = dataclasses.replace(config, schedule=causal.schedule)
         return config
 
-    def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any]) -> Sm90Config:
-        default = self.default_config(problem, target)
+    def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any],
+                       seqlen: int | None = None) -> Sm90Config:
+        default = self.default_config(problem, target, seqlen)
         config = {f: pinned.get(f, getattr(default, f)) for f in self.config_fields}
         if config["consumers"] == 1 and "pingpong" not in pinned:
             config["pingpong"] = False  # nothing to take turns with
