@@ -224,7 +224,7 @@ def launch_overhead() -> list[dict]:
     for batch, seqlen, heads, head_dim in OVERHEAD_SHAPES:
         q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-        kernel = attngen.compile(AttentionSpec(head_dim=head_dim, mask="causal"))
+        kernel = attngen.compile(AttentionSpec(head_dim=head_dim, mask="causal"), seqlen=seqlen)
 
         def sdpa():
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

@@ -206,7 +206,7 @@ def compare_configs(names, rounds):
                 use_header(None)
                 if name == "documents":
                     config = sm90.Sm90Config.from_label(label.split("/")[0])
-                    get_family("fwd_sm90").default_config = lambda problem, target, config=config: config
+                    get_family("fwd_sm90").default_config = lambda problem, target, seqlen=None, config=config: config
                     ms = time_ms(run_with, sets)
                     del get_family("fwd_sm90").default_config
                 else:

@@ -211,12 +211,15 @@ def test_sm90_short_sequences_take_their_own_defaults(monkeypatch):
     for seqlen in (1, 512, 1024):
         assert label(64, "causal", seqlen) == "m128n128s2opr"
         assert label(128, "none", seqlen) == "m128n128s2opr"
-        assert label(128, "none", seqlen, block_n=64) == "m128n64s2opr"  # pinned fields over the short default
+        # A partly pinned config fills in from the length-free default: whether it plans never depends on the length.
+        assert label(128, "none", seqlen, block_n=64) == label(128, "none", None, block_n=64) == "m128n64s2oprc"
     for seqlen in (2048, 16384, None):
         assert label(64, "causal", seqlen) == "m192n128s2opd" and label(128, "none", seqlen) == "m128n160s2oprc"
     assert label(64, "causal", 512, gqa=4) == "m192n128s2opd"  # measured without GQA only
     assert label(128, "causal", 512) == label(128, "causal", None) == "m128n128s2opr"  # no row: the long one wins there
     assert label(64, "none", 512) == "m192n128s2opd"
+    # A causal-shaped expression takes causal's schedule for the call's length (pairs when short at d64).
+    assert label(64, "q_idx >= kv_idx", 512) == "m128n128s2opr" and label(64, "q_idx >= kv_idx", 4096) == "m128n128s2opd"
 
     # The front door asks for the bucket of max(Sq, Sk): 1,000 and 1,024 tokens are short, 1,025 is not.
     monkeypatch.setattr(dispatch.targets, "device_target", lambda device: H100)
@@ -230,6 +233,10 @@ def test_sm90_short_sequences_take_their_own_defaults(monkeypatch):
         k = SimpleNamespace(shape=(8, sk, 16, 64), device=0)
         assert dispatch.resolve(spec, q, k).config.label() == expected, (sq, sk)
     dispatch.forget()
+    # attngen.compile(spec, seqlen=n): the kernel of the front door's defaults for calls of n tokens.
+    assert dispatch.compile(spec, 0, seqlen=1000).config.label() == "m128n128s2opr"
+    assert dispatch.compile(spec, 0, seqlen=1025).config.label() == dispatch.compile(spec, 0).config.label() \
+        == "m192n128s2opd"
 
 
 def test_sm90_dynamic_schedule_launches(monkeypatch):

@@ -17,8 +17,8 @@ from attngen import families, targets
 from attngen.dtypes import DTYPES
 from attngen.errors import SpecError
 from attngen.fuzz.case import GUARD_ROWS
-from attngen.fuzz.pool import (EXTRA_CONFIGS, PROBLEMS, builtin_specs, pinned_spec, random_spec, random_spec_pool,
-                               variety)
+from attngen.fuzz.pool import (EXTRA_CONFIGS, PROBLEMS, SHORT_CALL, builtin_specs, pinned_spec, random_spec,
+                               random_spec_pool, short_default, variety)
 from attngen import masks
 from attngen.spec import HEAD_DIMS, AttentionSpec, Problem
 
@@ -61,12 +61,20 @@ def test_the_builtin_pool_pins_every_supporting_family_with_its_default_and_a_fe
         own = [(spec, plan) for spec, plan in zip(pool, plans) if spec.family == family.name]
         # Each supported problem's default (none dropped: the defaults fit every known target) ...
         assert [spec for spec, _ in own if spec.config is None] == [pinned_spec(p, family) for p in supported]
+        # ... its default for short calls where that is another (fwd_sm90's rows for at most 1k tokens) ...
+        pinned = [(spec, plan) for spec, plan in own if spec.config is not None]
+        short = [spec for p in supported if (spec := short_default(p, family, target)) is not None]
+        assert [spec for spec, _ in pinned[:len(short)]] == short
+        assert all(family.resolve_config(s.problem, target, {}, SHORT_CALL) == _plans([s], target)[0].config
+                   for s in short)
+        if family.name == "fwd_sm90" and target.cc == 90:  # d64 causal and d128 none, without GQA
+            assert {(s.head_dim, s.mask, s.gqa_ratio) for s in short} >= {(64, "causal", 1), (128, "none", 1)}
         # ... and EXTRA_CONFIGS other configs of it, all its fields pinned, none its default.
-        extras = [(spec, plan) for spec, plan in own if spec.config is not None]
+        extras = pinned[len(short):]
         assert len(extras) == (EXTRA_CONFIGS if supported else 0), [spec for spec, _ in extras]
         for spec, plan in extras:
             assert spec.fully_configured and plan.config != family.resolve_config(spec.problem, target, {})
-        assert len(own) <= len(PROBLEMS) + EXTRA_CONFIGS  # bounded: every kernel is compiled
+        assert len(own) <= 2 * len(PROBLEMS) + EXTRA_CONFIGS  # bounded: every kernel is compiled
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=str)

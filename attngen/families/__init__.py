@@ -89,7 +89,8 @@ def plan_spec(spec, target=None, *, fault: str | None = None, operation: str | N
     the preferred one, its pinned config fields and the family's defaults for the rest. No tuning
     lookup (attngen/runtime/dispatch.py adds that). `operation`: the one the caller runs ("forward"
     for attention()); None takes a pinned family's own (`attngen generate` of a decode spec).
-    `seqlen`: the call's longest sequence where the caller knows it (a default may depend on it)."""
+    `seqlen`: where the caller knows it, the call's longest sequence rounded up to a power of two (the
+    front door's length bucket), which an unpinned default may depend on."""
     from attngen import targets
 
     if target is None:

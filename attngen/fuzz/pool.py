@@ -4,7 +4,8 @@ The built-in pool for a target (the GPU the runner compiles for):
   - for each problem of PROBLEMS (every head dim, both dtypes, none, causal and compiled masks,
     position offsets, block sparsity, packed sequences both ways, GQA ratios 1 to 8, an explicit
     softmax_scale) and each registered family that supports it on the target, a
-    spec pinned to that family, with the family's default config;
+    spec pinned to that family, with the family's default config, and with its default for short
+    calls where that is another (fwd_sm90's rows for at most 1k tokens, which the front door runs);
   - EXTRA_CONFIGS non-default configs per family, on problems spread over PROBLEMS, each taken
     from family.configs() among those the family plans on the target: the one that adds the most
     the pool lacks so far (`variety`: config values, and the on/off choices the plan derives;
@@ -43,6 +44,7 @@ def _document_mask(mask: str, score_mod: str | None = None) -> dict:
 PROBLEMS = (
     Problem(128, "fp16"),  # first: a family's first extra config is drawn for it (fwd_sm90: its clusters)
     Problem(64, "bf16", gqa_ratio=2, mask="causal"),
+    Problem(64, "bf16", mask="causal"),  # without GQA: fwd_sm90's short-call default differs
     Problem(64, "fp16"),
     Problem(128, "bf16", gqa_ratio=4, mask="causal"),
     Problem(96, "bf16", mask="causal"),
@@ -106,10 +108,28 @@ def plan_or_none(spec: AttentionSpec, target: Target) -> Plan | None:
         return None
 
 
+# A call length whose defaults are a family's short-call ones, where it has them (fwd_sm90: <= 1k tokens).
+SHORT_CALL = 512
+
+
+def short_default(problem: Problem, family: KernelFamily, target: Target) -> AttentionSpec | None:
+    """`problem` pinned to `family`'s default for short calls, where that differs from its default."""
+    try:
+        short = family.resolve_config(problem, target, {}, SHORT_CALL)
+        if short == family.resolve_config(problem, target, {}):
+            return None
+    except SpecError:
+        return None
+    spec = pinned_spec(problem, family, short)
+    return spec if plan_or_none(spec, target) is not None else None
+
+
 def builtin_specs(target: Target) -> tuple[AttentionSpec, ...]:
-    """The built-in pool for `target` (module docstring): defaults first, then each family's extras."""
+    """The built-in pool for `target` (module docstring): defaults first (each problem's, then its
+    short calls' where they differ), then each family's extras."""
     defaults = [spec for problem in PROBLEMS for family in families.supporting(problem, target)
-                if plan_or_none(spec := pinned_spec(problem, family), target) is not None]
+                for spec in (pinned_spec(problem, family), short_default(problem, family, target))
+                if spec is not None and plan_or_none(spec, target) is not None]
     extras = [spec for family in families.FAMILIES.values() for spec in _extra_specs(family, target)]
     return tuple(dict.fromkeys(defaults + extras))
 
@@ -130,9 +150,10 @@ def _extra_specs(family: KernelFamily, target: Target) -> list[AttentionSpec]:
     for i in range(EXTRA_CONFIGS if supported else 0):
         problem = supported[i * len(supported) // EXTRA_CONFIGS]
         default = family.resolve_config(problem, target, {})
+        short = short_default(problem, family, target)  # in the pool already, where there is one
         candidates = []
         for config in family.configs(problem, target):
-            if config == default:
+            if config == default or (short is not None and config.to_dict() == dict(short.config)):
                 continue
             try:
                 spec = pinned_spec(problem, family, config)

@@ -12,6 +12,7 @@ the spec names for offline generation: arch-specific code never runs on another 
 from __future__ import annotations
 
 import dataclasses
+import operator
 import threading
 from typing import Any
 
@@ -134,8 +135,10 @@ def compile(spec: AttentionSpec, device: int | None = None, *, fault: str | None
         raise ValueError(f"spec must be an attngen.AttentionSpec, got {type(spec).__name__}")
     if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
         raise ValueError(f"device={device!r} is invalid; allowed: None (the current GPU) or a GPU index >= 0")
-    if seqlen is not None and (isinstance(seqlen, bool) or not isinstance(seqlen, int) or seqlen < 1):
-        raise ValueError(f"seqlen={seqlen!r} is invalid; allowed: None (length-free defaults) or an int >= 1")
+    if seqlen is not None:
+        if isinstance(seqlen, bool) or not hasattr(type(seqlen), "__index__") or operator.index(seqlen) < 1:
+            raise ValueError(f"seqlen={seqlen!r} is invalid; allowed: None (length-free defaults) or an int >= 1")
+        seqlen = operator.index(seqlen)  # numpy's ints too
     device = current_device() if device is None else device
     plan = families.plan_spec(spec, targets.device_target(device), fault=fault, operation="forward",
                               seqlen=None if seqlen is None else _bucket(seqlen))
@@ -202,7 +205,8 @@ def _fallback(spec: AttentionSpec, kernel: Kernel, call: ForwardCall, reason: st
     for family in families.supporting(spec.problem, target):
         if family.name == kernel.plan.family:
             continue
-        plan = family.plan(spec.problem, target, family.default_config(spec.problem, target))
+        plan = family.plan(spec.problem, target,
+                           family.default_config(spec.problem, target, _bucket(max(call.seq_q, call.seq_k))))
         if family.accepts(plan, call) is None:
             return kernel_for(plan, kernel.device)
     raise ValueError(f"no kernel family can run these tensors ({kernel.plan.family}: {reason})")

@@ -340,13 +340,15 @@ class Sm90Forward(KernelFamily):
                 and causal_shaped(problem.mask):
             # Tiles of causal's lengths (`q_idx >= kv_idx`): causal's schedule, which beats the
             # counter there (docs/perf-notes.md, "Per-tile cost"); the expression's tile and stages.
-            causal = self.default_config(dataclasses.replace(problem, mask="causal"), target)
+            causal = self.default_config(dataclasses.replace(problem, mask="causal"), target, seqlen)
             config = dataclasses.replace(config, schedule=causal.schedule)
         return config
 
     def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any],
                        seqlen: int | None = None) -> Sm90Config:
-        default = self.default_config(problem, target, seqlen)
+        # A partly pinned config is filled in from the length-free default, so that whether it plans (fits
+        # the shared memory, say) never depends on the call's length; only an unpinned one takes short rows.
+        default = self.default_config(problem, target, None if pinned else seqlen)
         config = {f: pinned.get(f, getattr(default, f)) for f in self.config_fields}
         if config["consumers"] == 1 and "pingpong" not in pinned:
             config["pingpong"] = False  # nothing to take turns with
