@@ -33,11 +33,6 @@ from attngen.spec import AttentionSpec
 HEADER = Path(sm90.FOLDER, "flash_fwd_sm90.cuh")
 
 
-# A development variant, not a config: the kernel rendered with lazy rescaling forced on (labels ending
-# "/lazy"), to time at the power cap what the locked clock rejected at head dim 128 (docs/perf-notes.md).
-LAZY = False
-
-
 def use_header(text: str | None) -> None:
     """Build fwd_sm90 kernels from `text` in place of the working tree's header (None: the tree's)."""
     family = get_family("fwd_sm90")
@@ -50,22 +45,7 @@ def _render(text, plan):
     source = sm90.Sm90Forward.render(get_family("fwd_sm90"), plan)
     if text is not None:
         source = source.replace(HEADER.read_text(), text)
-    if LAZY:
-        lazy = source.replace("constexpr bool LAZY_RESCALE = false;", "constexpr bool LAZY_RESCALE = true;")
-        assert lazy != source or "LAZY_RESCALE = true;" in source, "the template's LAZY_RESCALE line moved"
-        source = lazy
     return source
-
-
-def _use_lazy(lazy: bool) -> None:
-    global LAZY
-    if lazy != LAZY or (lazy and not isinstance(get_family("fwd_sm90").render, functools.partial)):
-        LAZY = lazy
-        if isinstance(get_family("fwd_sm90").render, functools.partial):  # keep a header variant in place
-            dispatch._kernels.clear()
-            dispatch.forget()
-        else:
-            use_header(None)
 
 
 # name -> (head_dim, mask, batch, seqlen, heads, kv_heads, config label or None for the default)
@@ -81,14 +61,9 @@ DENSE = {
     "d128-none-8k-n128": (128, "none", 2, 8192, 16, 16, "m128n128s2opr"),
     "d128-none-8k-n160": (128, "none", 2, 8192, 16, 16, "m128n160s2opr"),
     "d128-none-16k-n160": (128, "none", 1, 16384, 16, 16, "m128n160s2opr"),
-    "d128-none-8k-n160-lazy": (128, "none", 2, 8192, 16, 16, "m128n160s2opr/lazy"),  # lazy rescaling forced on
-    "d128-none-16k-n160-lazy": (128, "none", 1, 16384, 16, 16, "m128n160s2opr/lazy"),
-    "d128-causal-8k-lazy": (128, "causal", 2, 8192, 16, 16, "m128n128s2opr/lazy"),
     "d128-none-2k-n160c": (128, "none", 8, 2048, 16, 16, "m128n160s2oprc"),  # clusters of two CTAs
     "d128-none-8k-n160c": (128, "none", 2, 8192, 16, 16, "m128n160s2oprc"),
     "d128-none-16k-n160c": (128, "none", 1, 16384, 16, 16, "m128n160s2oprc"),
-    "d128-none-8k-n160c-lazy": (128, "none", 2, 8192, 16, 16, "m128n160s2oprc/lazy"),  # the cluster default, lazy
-    "d128-none-16k-n160c-lazy": (128, "none", 1, 16384, 16, 16, "m128n160s2oprc/lazy"),
     "d128-none-8k-n128c": (128, "none", 2, 8192, 16, 16, "m128n128s2oprc"),
     "d128-none-8k-n160-nopp": (128, "none", 2, 8192, 16, 16, "m128n160s2or"),
     "d128-none-8k-n128s3": (128, "none", 2, 8192, 16, 16, "m128n128s3opr"),  # three stages, one Q buffer
@@ -114,6 +89,7 @@ DENSE = {
     "d64-causal-4k-pairs": (64, "causal", 4, 4096, 32, 32, "m192n128s2opr"),
     "d64-causal-4k-dyn": (64, "causal", 4, 4096, 32, 32, "m192n128s2opd"),
     "d64-none-2k": (64, "none", 8, 2048, 32, 32, None),
+    "d64-causal-2k": (64, "causal", 8, 2048, 32, 32, None),
     "d64-causal-3k": (64, "causal", 4, 3072, 32, 32, None),  # 16 blocks of 192 rows: no idle warpgroup
     "gqa-causal-8k": (128, "causal", 2, 8192, 32, 8, None),
     "window4096-16k": (128, f"sliding_window({WINDOW - 1}, 0)", 1, 16384, 16, 16, None),
@@ -168,9 +144,7 @@ def shape_case(d, mask, batch, seqlen, heads, kv_heads):
 
 
 def runner(d, mask, heads, kv_heads, label):
-    """attngen on fwd_sm90 with the config `label` (None: the default; a "/q2" suffix is the caller's,
-    "/lazy" renders the kernel with lazy rescaling on)."""
-    _use_lazy(bool(label) and label.endswith("/lazy"))
+    """attngen on fwd_sm90 with the config `label` (None: the default; a "/q2" suffix is the caller's)."""
     config = sm90.Sm90Config.from_label(label.split("/")[0]).to_dict() if label else None
     spec = AttentionSpec(head_dim=d, mask=mask, gqa_ratio=heads // kv_heads, family="fwd_sm90", config=config)
     return lambda q, k, v: attngen.attention(q, k, v, spec)

@@ -235,8 +235,6 @@ constexpr int Q_BUFFERS = 3;  // a second Q tile loads while the first one's til
 constexpr int GQA_RATIO = 1;
 constexpr bool OVERLAP = true;
 constexpr bool PINGPONG = true;
-// A row's softmax reference moves only when a block's max passes it by 2^8; O is rescaled only then.
-constexpr bool LAZY_RESCALE = false;
 // The tile schedule (dynamic): one CTA per tile, or one per SM dealt pairs of tiles / taking tiles from a counter.
 constexpr bool PAIRS = false;
 constexpr bool DYNAMIC = true;
@@ -684,7 +682,7 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[32], const u32 (&a)[4], u64 
 // other 64-column chunk) into both CTAs' rings by TMA multicast: L2 serves each block once for
 // two tiles. A stage is refilled once both CTAs' consumers have released it.
 // Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
-// CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PAIRS, DYNAMIC, VARLEN, CLUSTER, LAZY_RESCALE,
+// CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PAIRS, DYNAMIC, VARLEN, CLUSTER,
 // SET_MAX_REGS, PRODUCER_REGS, CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
 // namespace score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2),
 // and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS); with ATTNGEN_DROPOUT, namespace dropout
@@ -1117,19 +1115,23 @@ __device__ __forceinline__ float score_log2(const Params& p) {
     return score::MODIFIED ? 1.4426950408889634f : p.scale_log2;
 }
 
-// LAZY_RESCALE: a row's reference (row_max) moves only when a block's max passes it by more than
-// RESCALE_SLACK (log2 units); until then the block's exps are taken against the old reference and may
-// reach 2^RESCALE_SLACK = 256 (far inside fp16 and bf16), alpha is 1 and O is not rescaled (the
-// warp skips the multiplies when none of its rows moved). Row sums, O and the LSE all stay relative
-// to the one reference, so the result is the same up to rounding. Once a row's first blocks have set
-// it, the reference seldom moves. Planned where the skipped multiplies pay (family.py lazy_rescale):
-// three consumer warpgroups at head dim 64, short of issue slots (docs/perf-notes.md "Lazy rescaling").
+// A row's reference (row_max) in the overlapped loop moves only when a block's max passes it by more
+// than RESCALE_SLACK (log2 units); until then the block's exps are taken against the old reference and
+// may reach 2^RESCALE_SLACK = 256 (far inside fp16 and bf16), and O is not rescaled. Row sums, O and
+// the LSE all stay relative to the one reference, so the result is the same up to rounding.
 constexpr float RESCALE_SLACK = 8.f;
 
+// Whether the overlapped loop takes a block's exps before its max (speculative_softmax): with PINGPONG,
+// where the softmax lies between a warpgroup's turns (+3-7%; d256 without pingpong measured 4% slower).
+// Not under a score modifier: a positional bias (ALiBi's, say) can raise the max by more than
+// RESCALE_SLACK at every block, and each such block would take its exps twice; those kernels find the
+// max first (softmax_step). docs/perf-notes.md "Exponentials against the reference already held".
+constexpr bool SPECULATE = PINGPONG && !score::MODIFIED;
+
 // Online softmax in the log2 domain, in place: S becomes exp2(scaled S - reference), the reference
-// being the running max (LAZY_RESCALE: a max up to RESCALE_SLACK behind); alpha rescales what was
-// accumulated under the old reference. A row whose reference is still -inf uses 0 instead, so exp2
-// gives 0 rather than NaN.
+// being the running max; alpha rescales what was accumulated under the old reference. A row whose
+// reference is still -inf uses 0 instead, so exp2 gives 0 rather than NaN. (A tile's first block, every
+// block without OVERLAP or under a score modifier; the overlapped loop's other blocks: speculative_softmax.)
 __device__ __forceinline__ void softmax_step(float (&s)[S_REGS], float (&row_max)[2], float (&row_sum)[2],
                                              float (&alpha)[2], float scale_log2) {
     float ref[2];
@@ -1138,19 +1140,10 @@ __device__ __forceinline__ void softmax_step(float (&s)[S_REGS], float (&row_max
         float mx = NEG_INF;
 #pragma unroll
         for (int c = 0; c < S_REGS / 4; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
-        mx = quad_max(mx) * scale_log2;  // scale > 0: the max of scaled scores
-        if constexpr (LAZY_RESCALE) {
-            const bool move = mx > row_max[h] + RESCALE_SLACK;  // from -inf: any finite max moves it
-            const float next = move ? mx : row_max[h];
-            ref[h] = next == NEG_INF ? 0.f : next;
-            alpha[h] = move ? fast_exp2(row_max[h] - ref[h]) : 1.f;
-            row_max[h] = next;
-        } else {
-            mx = fmaxf(row_max[h], mx);
-            ref[h] = mx == NEG_INF ? 0.f : mx;
-            alpha[h] = fast_exp2(row_max[h] - ref[h]);
-            row_max[h] = mx;
-        }
+        mx = fmaxf(row_max[h], quad_max(mx) * scale_log2);  // scale > 0: the max of scaled scores
+        ref[h] = mx == NEG_INF ? 0.f : mx;
+        alpha[h] = fast_exp2(row_max[h] - ref[h]);
+        row_max[h] = mx;
     }
     float sum[2] = {0.f, 0.f};
 #pragma unroll
@@ -1167,12 +1160,68 @@ __device__ __forceinline__ void rescale(float (&o)[O_REGS], const float (&alpha)
     for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[(i >> 1) & 1];
 }
 
-// The overlapped loop's rescale: under LAZY_RESCALE skipped by a warp none of whose rows moved its reference.
-__device__ __forceinline__ void rescale_if_moved(float (&o)[O_REGS], const float (&alpha)[2]) {
-    if (!LAZY_RESCALE || __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) rescale(o, alpha);
+// P's operand registers (the accumulator layout of two n8 column groups is the A-operand layout of
+// one k16 step) as exp2(scaled S - reference), and the rows' per-thread sums of the unrounded exps.
+__device__ __forceinline__ void exponentiate(u32 (&pf)[PK][4], float (&sum)[2], const float (&s)[S_REGS],
+                                             const float (&ref)[2], float scale_log2) {
+#pragma unroll
+    for (int kk = 0; kk < PK; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int i = 8 * kk + 2 * j, h = j & 1;  // s[i] and s[i + 1]: one row, adjacent columns
+            const float lo = fast_exp2(fmaf(s[i], scale_log2, -ref[h]));
+            const float hi = fast_exp2(fmaf(s[i + 1], scale_log2, -ref[h]));
+            sum[h] += lo;
+            sum[h] += hi;
+            pf[kk][j] = pack2<IS_BF16>(lo, hi);
+        }
+    }
 }
 
-// The accumulator layout of two n8 column groups is the A-operand layout of one k16 step.
+// The overlapped loop's softmax of every block after a tile's first, straight into P's operand: the
+// exponentials are taken against the reference the earlier blocks left, not after this block's max
+// (a chain of maxes and two shuffles that held back the first exp by ~60 instructions). The max is
+// found beside them; a row whose max passes its reference by more than RESCALE_SLACK moves it, and
+// its warp takes the exponentials again from S, which is left as it was, and
+// rescales O. So the result never depends on the guess: an exponential that overflowed is taken
+// again. Rare once a row's first blocks have set its reference (docs/perf-notes.md "Exponentials
+// against the reference already held"). O's P V must be complete (pf and O are written).
+__device__ __forceinline__ void speculative_softmax(u32 (&pf)[PK][4], float (&o)[O_REGS], const float (&s)[S_REGS],
+                                                   float (&row_max)[2], float (&row_sum)[2], float scale_log2) {
+    float ref[2], mx[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        ref[h] = row_max[h] == NEG_INF ? 0.f : row_max[h];
+        mx[h] = NEG_INF;
+#pragma unroll
+        for (int c = 0; c < S_REGS / 4; ++c) mx[h] = fmaxf(mx[h], fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
+    }
+    exponentiate(pf, sum, s, ref, scale_log2);
+    bool move[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        mx[h] = quad_max(mx[h]) * scale_log2;  // scale > 0: the max of scaled scores
+        move[h] = mx[h] > row_max[h] + RESCALE_SLACK;  // from -inf: any finite max moves it
+    }
+    if (__any_sync(0xffffffffu, move[0] || move[1])) {
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float next = move[h] ? mx[h] : row_max[h];
+            ref[h] = next == NEG_INF ? 0.f : next;
+            alpha[h] = move[h] ? fast_exp2(row_max[h] - ref[h]) : 1.f;
+            row_max[h] = next;
+            row_sum[h] *= alpha[h];
+            sum[h] = 0.f;
+        }
+        exponentiate(pf, sum, s, ref, scale_log2);
+        rescale(o, alpha);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_sum[h] += sum[h];
+}
+
+// As exponentiate lays P out: two n8 column groups of the accumulator are one k16 step's A operand.
 __device__ __forceinline__ void to_operand(u32 (&pf)[PK][4], const float (&s)[S_REGS]) {
 #pragma unroll
     for (int kk = 0; kk < PK; ++kk) {
@@ -1317,6 +1366,9 @@ struct Consumer {
     // S of the block becomes the P operand of its P V (dropout applied after the row sums).
     __device__ __forceinline__ void make_p(const Blocks& b, int it, const Tile& tile, int row0) {
         to_operand(pf, s);
+        drop_p(b, it, tile, row0);
+    }
+    __device__ __forceinline__ void drop_p(const Blocks& b, int it, const Tile& tile, int row0) {
 #ifdef ATTNGEN_DROPOUT
         drop(pf, rng, tile, row0 - lane / 4, b.key0(it));
 #else
@@ -1478,10 +1530,10 @@ struct Consumer {
     }
 
     // OVERLAP: each step issues S of block it and P V of block it-1 together, then the softmax of block
-    // it. ptxas moves the wait for that P V above the softmax (to interleave the packing of P and O's
-    // rescale with the exponentials), so the softmax runs under the other warpgroups' GEMMs (PINGPONG),
-    // not its own P V: keeping the wait below measured slower (docs/perf-notes.md "The softmax under
-    // its own P V"). The tile's first S goes with the previous tile's last P V (CARRY).
+    // it. It waits for that P V first, since it writes P straight into the operand registers (and may
+    // rescale O), so it runs under the other warpgroups' GEMMs (PINGPONG), not its own P V: a softmax
+    // under its own P V measured slower (docs/perf-notes.md "The softmax under its own P V"). The
+    // tile's first S goes with the previous tile's last P V (CARRY).
     __device__ __forceinline__ void overlapped_tile(const Tile& tile, const Blocks& b, int qb, int j) {
         const int n = b.count(), row0 = thread_row0(tile);
         const u32 q = q_rows(qb);
@@ -1501,12 +1553,21 @@ struct Consumer {
             wgmma_wait<1>();  // S(it) is done; P V may still run
             fence_regs(s);
             release_k(g + it);
-            softmax_block(b, it, tile, row0);
-            wgmma_wait<0>();  // P V is done: O and P may change
-            fence_regs(o);
-            release_v(g + it - 1);
-            rescale_if_moved(o, alpha);
-            make_p(b, it, tile, row0);
+            if constexpr (SPECULATE) {
+                prepare_scores(s, row0, b, it, p, tile, lane);
+                wgmma_wait<0>();  // P V is done: O and P may change
+                fence_regs(o);
+                release_v(g + it - 1);
+                speculative_softmax(pf, o, s, row_max, row_sum, score_log2(p));
+                drop_p(b, it, tile, row0);
+            } else {
+                softmax_block(b, it, tile, row0);
+                wgmma_wait<0>();  // P V is done: O and P may change
+                fence_regs(o);
+                release_v(g + it - 1);
+                rescale(o, alpha);
+                make_p(b, it, tile, row0);
+            }
         }
         trace(wg, j, LAST_PV);
         finish(tile, qb, g + n - 1, j);

@@ -175,22 +175,6 @@ def test_sm90_q_buffers_as_many_as_fit():
             assert sm90.smem_bytes(p.config, d, buffers + 1) + sm90.STATIC_SMEM_BYTES > H100.smem_per_block
 
 
-def test_sm90_lazy_rescale_where_measured_faster():
-    # Three consumer warpgroups at head dim 64 (the defaults there) move their softmax reference in
-    # 2^8 steps; two consumer warpgroups and head dim 128 measured slower with it and keep the exact max.
-    from attngen.families.fwd_sm90 import family as sm90
-
-    for d, label, mask, lazy in ((64, "m192n128s2opd", "causal", True), (64, "m192n128s2opr", "none", True),
-                                 (64, "m128n128s2opd", "causal", False), (128, "m128n128s2opr", "causal", False),
-                                 (128, "m128n160s2opr", "none", False), (96, "m192n128s2op", "none", False)):
-        config = sm90.Sm90Config.from_label(label).to_dict()
-        p = plan_spec(AttentionSpec(head_dim=d, mask=mask, family="fwd_sm90", config=config), H100)
-        assert p.lazy_rescale == lazy, (d, label)
-        assert f"constexpr bool LAZY_RESCALE = {'true' if lazy else 'false'};" in get_family("fwd_sm90").render(p)
-    for mask in ("none", "causal"):
-        assert plan_spec(AttentionSpec(head_dim=64, mask=mask, family="fwd_sm90"), H100).lazy_rescale
-
-
 def test_sm90_short_sequences_take_their_own_defaults(monkeypatch):
     # Calls of at most SHORT_SEQLEN tokens (the front door's length bucket) take tile_defaults.yaml's
     # <kind>_short rows without GQA: 128-row tiles on pairs at d64 causal, 128-key blocks on pairs at d128
@@ -389,12 +373,13 @@ def test_sm90_cluster_binary_multicasts_without_spills(tmp_path, d):
 
 def _steady_loop(sass_text: str) -> list[str]:
     """The instructions of the innermost loop holding both GEMMs' wgmmas (QK^T's and P V's shapes): the
-    overlapped loop of fwd_sm90, from a backward branch's target to the branch."""
+    overlapped loop of fwd_sm90, from a conditional backward branch's target to the branch. (An
+    unconditional one is the way back from an out-of-line wait at the code's end, not a loop.)"""
     code = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass_text)]
     index = {address: i for i, (address, _) in enumerate(code)}
     loops = []
     for i, (address, text) in enumerate(code):
-        branch = re.search(r"BRA (?:!?U?P\w+, )?0x([0-9a-f]+)", text)
+        branch = re.search(r"^@!?U?P\w+\s+BRA (?:!?U?P\w+, )?0x([0-9a-f]+)", text)
         if branch and int(branch.group(1), 16) < address and int(branch.group(1), 16) in index:
             body = [t for _, t in code[index[int(branch.group(1), 16)]:i + 1]]
             shapes = {m.group(1) for t in body for m in [re.search(r"HGMMA\.(64x\d+x16)", t)] if m}
@@ -420,6 +405,34 @@ def test_sm90_steady_loop_keeps_its_wgmma_descriptors_uniform(tmp_path, d, mask)
     assert wgmmas >= d // 16, f"{plan.name}: no steady loop with both GEMMs found"
     # Kept uniform: 8-16 R2UR for 12-18 wgmmas (d64, d128); moved over: 32-52, about three a wgmma.
     assert moves <= wgmmas * 3 // 2, f"{plan.name}: {moves} R2UR for {wgmmas} wgmmas in the steady loop"
+
+
+@pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
+@pytest.mark.parametrize("d, mask, score_mod, speculates", [
+    (64, "causal", None, True), (96, "causal", None, True), (128, "none", None, True), (128, "causal", None, True),
+    (256, "none", None, False), (128, "causal", "softcap(30.0)", False)])
+def test_sm90_steady_loop_takes_exponentials_before_the_block_max(tmp_path, d, mask, score_mod, speculates):
+    """With pingpong and no score modifier, the overlapped loop's exps start right after the P V wait,
+    against the reference the earlier blocks left (speculative_softmax), not after the block's max: a
+    chain of maxes and two shuffles that put the first MUFU.EX2 ~50-100 instructions later
+    (docs/perf-notes.md "Exponentials against the reference already held"). Without pingpong (the d256
+    default) and under a modifier the max comes first, as before."""
+    if CUOBJDUMP is None:
+        pytest.skip("cuobjdump not on PATH: the SASS is not checked here (CI installs it)")
+    plan = plan_spec(AttentionSpec(head_dim=d, mask=mask, score_mod=score_mod, family="fwd_sm90"), H100)
+    assert plan.pingpong == (d != 256), plan.name  # the defaults this test stands on
+    cubin = tmp_path / "k.cubin"
+    nvcc.check_plan(plan, keep_cubin=cubin)
+    loop = _steady_loop(nvcc.sass(cubin))
+    assert loop, f"{plan.name}: no steady loop with both GEMMs found"
+    wait = next(i for i, t in enumerate(loop) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in t)
+    first = next(i for i in range(wait, len(loop)) if "MUFU.EX2" in loop[i])
+    shuffle = next(i for i in range(wait, len(loop)) if "SHFL.BFLY" in loop[i])  # the row max across the quad
+    if speculates:
+        assert first - wait <= 24, f"{plan.name}: the first exp {first - wait} instructions after the P V wait"
+        assert first < shuffle, f"{plan.name}: the exps wait for the row max"
+    else:
+        assert first > shuffle, f"{plan.name}: exps before the row max"
 
 
 @pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")

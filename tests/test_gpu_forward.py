@@ -109,19 +109,21 @@ def test_large_logits_and_custom_scale(gpu_family):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("mask", ["none", "causal"])
-def test_running_max_rises_in_small_and_large_steps(gpu_family, dtype, mask):
-    # A row's max climbs along the keys by less than 2^8 per block (fwd_sm90's LAZY_RESCALE keeps its old
-    # reference: exps above 1, O not rescaled), then jumps by far more (the reference moves), then falls;
-    # at head dim 64, the dims whose fwd_sm90 defaults rescale lazily, and at 128, which rescale always.
+@pytest.mark.parametrize("step", [40.0, 300.0])
+def test_running_max_rises_in_small_and_large_steps(gpu_family, dtype, mask, step):
+    # A row's max climbs along the keys by less than 2^8 per block (fwd_sm90 keeps its old reference:
+    # exps above 1, O not rescaled), then jumps by far more (the reference moves), then falls. fwd_sm90's
+    # overlapped loop takes a block's exps against the old reference before it knows the block's max:
+    # the step of 40 (log2) makes them large, the step of 300 overflows them, and both must be taken again.
     import torch
 
     for head_dim in (64, 128):
         spec = pinned(gpu_family, head_dim=head_dim, dtype=dtype, mask=mask)
         q, k, v = make_inputs(spec, B=1, Sq=700, Sk=1500, Hkv=2, seed=head_dim)
         # q ~ 1 and key j's columns ~ logit_j / head_dim: the scores' log2 follows `climb`, up 3 per 128
-        # keys, a step of 40 at key 900, then down 2 per 128 keys.
+        # keys, a step at key 900, then down 2 per 128 keys.
         j = torch.arange(1500, device="cuda", dtype=torch.float32)
-        climb = torch.where(j < 900, 3.0 * j / 128, 40.0 + 3.0 * 900 / 128 - 2.0 * (j - 900) / 128)
+        climb = torch.where(j < 900, 3.0 * j / 128, step + 3.0 * 900 / 128 - 2.0 * (j - 900) / 128)
         direction = torch.ones(head_dim, device="cuda") / head_dim
         logit = climb / 1.4426950408889634 / spec.effective_scale  # scale * q.k, in nats
         k = (k.float() * 0.05 + logit[None, :, None, None] * direction).to(k.dtype)

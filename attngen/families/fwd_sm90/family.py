@@ -106,14 +106,6 @@ def cluster_reason(config: "Sm90Config", problem: Problem, target: Target | None
     return None
 
 
-def lazy_rescale(config: "Sm90Config", head_dim: int) -> bool:
-    """Whether a row's softmax reference moves only in steps of 2^8, O rescaled only then (LAZY_RESCALE).
-    Measured at a locked clock on the H100 (docs/perf-notes.md "Lazy rescaling"): +4-5% at head dim 64 with
-    three consumer warpgroups, which run short of issue slots; -3% there with two, -1 to -4% at head dim
-    128, where ptxas interleaves the rescale with the packing of P and the branch around it costs more."""
-    return config.consumers == 3 and head_dim == 64
-
-
 _LABEL = re.compile(r"m(\d+)n(\d+)s(\d+)(o?)(p?)([rd]?)(c?)")
 
 
@@ -161,12 +153,10 @@ class Sm90Plan(ForwardPlan):
     smem_bytes: int
     producer_regs: int | None
     consumer_regs: int | None
-    lazy_rescale: bool  # the softmax reference moves by 2^8 steps (flash_fwd_sm90.cuh LAZY_RESCALE)
 
     def choices(self) -> dict[str, Any]:
         return {"threads": self.threads, "smem_bytes": self.smem_bytes, "q_buffers": self.q_buffers,
-                "producer_regs": self.producer_regs, "consumer_regs": self.consumer_regs,
-                "lazy_rescale": self.lazy_rescale}
+                "producer_regs": self.producer_regs, "consumer_regs": self.consumer_regs}
 
 
 @dataclass(frozen=True)
@@ -414,7 +404,7 @@ class Sm90Forward(KernelFamily):
             fault=fault, consumers=config.consumers, num_stages=config.num_stages, q_buffers=q_buffers,
             overlap=config.overlap, pingpong=config.pingpong, schedule=config.schedule, cluster=config.cluster,
             threads=threads, smem_bytes=smem, producer_regs=producer_regs,
-            consumer_regs=consumer_regs, lazy_rescale=lazy_rescale(config, problem.head_dim),
+            consumer_regs=consumer_regs,
             mask=get_mask(problem.mask))
 
     def render(self, plan: Sm90Plan) -> str:
