@@ -435,8 +435,8 @@ __device__ __forceinline__ float sink(int q, int Sq, int Sk, int batch, int head
     return 0.f;
 }
 
-// The end of one row's softmax: max2 is its running max in the log2 domain (-inf: no visible
-// key), sum its sum of exp2(s - max2). Writes the row's log-sum-exp (natural log) to lse and
+// The end of one row's softmax: max2 is its reference in the log2 domain (the running max, or up to
+// fwd_sm90's RESCALE_SLACK below it; -inf: no visible key), sum its sum of exp2(s - max2). Writes the row's log-sum-exp (natural log) to lse and
 // returns what the row's accumulated P V is multiplied by. A sink adds exp(sink) to the
 // denominator; a row with no visible key then has output 0 and LSE = sink.
 template <class P>
@@ -947,9 +947,9 @@ __device__ __forceinline__ float score_log2(const Params& p) {
     return score::MODIFIED ? 1.4426950408889634f : p.scale_log2;
 }
 
-// A row's reference (row_max) in the overlapped loop moves only when a block's max passes it by more
-// than RESCALE_SLACK (log2 units); until then the block's exps are taken against the old reference and
-// may reach 2^RESCALE_SLACK = 256 (far inside fp16 and bf16), and O is not rescaled. Row sums, O and
+// Under SPECULATE, a row's reference (row_max) moves only when a block's max passes it by more than
+// RESCALE_SLACK (log2 units); until then the block's exps are taken against the old reference and may
+// reach 2^RESCALE_SLACK = 256 (far inside fp16 and bf16), and O is not rescaled. Row sums, O and
 // the LSE all stay relative to the one reference, so the result is the same up to rounding.
 constexpr float RESCALE_SLACK = 8.f;
 
@@ -962,8 +962,8 @@ constexpr bool SPECULATE = PINGPONG && !score::MODIFIED;
 
 // Online softmax in the log2 domain, in place: S becomes exp2(scaled S - reference), the reference
 // being the running max; alpha rescales what was accumulated under the old reference. A row whose
-// reference is still -inf uses 0 instead, so exp2 gives 0 rather than NaN. (A tile's first block, every
-// block without OVERLAP or under a score modifier; the overlapped loop's other blocks: speculative_softmax.)
+// reference is still -inf uses 0 instead, so exp2 gives 0 rather than NaN. (A tile's first block, and
+// every block unless SPECULATE; the overlapped loop's other blocks then: speculative_softmax.)
 __device__ __forceinline__ void softmax_step(float (&s)[S_REGS], float (&row_max)[2], float (&row_sum)[2],
                                              float (&alpha)[2], float scale_log2) {
     float ref[2];
@@ -1012,7 +1012,7 @@ __device__ __forceinline__ void exponentiate(u32 (&pf)[PK][4], float (&sum)[2], 
 
 // The overlapped loop's softmax of every block after a tile's first, straight into P's operand: the
 // exponentials are taken against the reference the earlier blocks left, not after this block's max
-// (a chain of maxes and two shuffles that held back the first exp by ~60 instructions). The max is
+// (a chain of maxes and two shuffles that held back the first exp by 50-100 instructions). The max is
 // found beside them; a row whose max passes its reference by more than RESCALE_SLACK moves it, and
 // its warp takes the exponentials again from S, which is left as it was, and
 // rescales O. So the result never depends on the guess: an exponential that overflowed is taken
@@ -1362,10 +1362,12 @@ struct Consumer {
     }
 
     // OVERLAP: each step issues S of block it and P V of block it-1 together, then the softmax of block
-    // it. It waits for that P V first, since it writes P straight into the operand registers (and may
-    // rescale O), so it runs under the other warpgroups' GEMMs (PINGPONG), not its own P V: a softmax
-    // under its own P V measured slower (docs/perf-notes.md "The softmax under its own P V"). The
-    // tile's first S goes with the previous tile's last P V (CARRY).
+    // it. Under SPECULATE it waits for that P V first, since it writes P straight into the operand
+    // registers (and may rescale O); otherwise the source has the wait after the softmax, and ptxas
+    // moves it above (to interleave the packing of P and O's rescale with the exponentials). Either way
+    // the softmax runs under the other warpgroups' GEMMs (PINGPONG), not its own P V: a softmax under
+    // its own P V measured slower (docs/perf-notes.md "The softmax under its own P V"). The tile's first
+    // S goes with the previous tile's last P V (CARRY).
     __device__ __forceinline__ void overlapped_tile(const Tile& tile, const Blocks& b, int qb, int j) {
         const int n = b.count(), row0 = thread_row0(tile);
         const u32 q = q_rows(qb);

@@ -379,7 +379,7 @@ def _steady_loop(sass_text: str) -> list[str]:
     index = {address: i for i, (address, _) in enumerate(code)}
     loops = []
     for i, (address, text) in enumerate(code):
-        branch = re.search(r"^@!?U?P\w+\s+BRA (?:!?U?P\w+, )?0x([0-9a-f]+)", text)
+        branch = re.search(r"^(?:@!?U?P\w+\s+BRA (?:!?U?P\w+, )?|BRA !?U?P\w+, )0x([0-9a-f]+)", text)
         if branch and int(branch.group(1), 16) < address and int(branch.group(1), 16) in index:
             body = [t for _, t in code[index[int(branch.group(1), 16)]:i + 1]]
             shapes = {m.group(1) for t in body for m in [re.search(r"HGMMA\.(64x\d+x16)", t)] if m}
@@ -425,9 +425,11 @@ def test_sm90_steady_loop_takes_exponentials_before_the_block_max(tmp_path, d, m
     nvcc.check_plan(plan, keep_cubin=cubin)
     loop = _steady_loop(nvcc.sass(cubin))
     assert loop, f"{plan.name}: no steady loop with both GEMMs found"
-    wait = next(i for i, t in enumerate(loop) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in t)
-    first = next(i for i in range(wait, len(loop)) if "MUFU.EX2" in loop[i])
-    shuffle = next(i for i in range(wait, len(loop)) if "SHFL.BFLY" in loop[i])  # the row max across the quad
+    wait = next((i for i, t in enumerate(loop) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in t), None)
+    assert wait is not None, f"{plan.name}: no wait for P V in the steady loop"
+    first = next((i for i in range(wait, len(loop)) if "MUFU.EX2" in loop[i]), None)
+    shuffle = next((i for i in range(wait, len(loop)) if "SHFL.BFLY" in loop[i]), None)  # the row max, quad-wide
+    assert first is not None and shuffle is not None, f"{plan.name}: no exp or no shuffle after the P V wait"
     if speculates:
         assert first - wait <= 24, f"{plan.name}: the first exp {first - wait} instructions after the P V wait"
         assert first < shuffle, f"{plan.name}: the exps wait for the row max"

@@ -108,6 +108,17 @@ def test_large_logits_and_custom_scale(gpu_family):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_large_logits_where_rows_see_their_first_key_after_the_tiles_first_block(gpu_family, dtype):
+    # Bottom-right window: the first tile's rows see keys 288+r..388+r, so its last rows see nothing of
+    # its first key block (keys 256-383 at 128-key blocks) and meet their first key with a reference of
+    # -inf; fwd_sm90's overlapped loop takes those exps against 0 first, and with scores up to ~1e4 they
+    # overflow and must be taken again.
+    spec = pinned(gpu_family, head_dim=128, dtype=dtype, mask="sliding_window(100, 0)")
+    q, k, v = make_inputs(spec, B=1, Sq=129, Sk=517, Hkv=2, logit_scale=30.0, seed=13)
+    run_and_check(spec, q, k, v)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("mask", ["none", "causal"])
 @pytest.mark.parametrize("step", [40.0, 300.0])
 def test_running_max_rises_in_small_and_large_steps(gpu_family, dtype, mask, step):
