@@ -71,6 +71,7 @@ DENSE = {
     "d128-none-8k-n160c-nopp": (128, "none", 2, 8192, 16, 16, "m128n160s2orc"),
     "d256-none-16k-r": (256, "none", 1, 16384, 8, 8, "m128n80s2or"),
     "d256-none-16k-rc": (256, "none", 1, 16384, 8, 8, "m128n80s2orc"),
+    "d256-none-16k-p": (256, "none", 1, 16384, 8, 8, "m128n80s2op"),  # pingpong: the softmax between turns
     "d64-causal-2k-m128dyn": (64, "causal", 8, 2048, 32, 32, "m128n128s2opd"),
     "d64-causal-4k-m128dyn": (64, "causal", 4, 4096, 32, 32, "m128n128s2opd"),
     "d64-none-8k": (64, "none", 2, 8192, 32, 32, None),
