@@ -546,8 +546,8 @@ __device__ __forceinline__ float sink(int q, int Sq, int Sk, int batch, int head
 }
 
 // The end of one row's softmax: max2 is its reference in the log2 domain (the running max, or up to
-// fwd_sm90's RESCALE_SLACK below it; -inf: no visible key), sum its sum of exp2(s - max2). Writes the row's log-sum-exp (natural log) to lse and
-// returns what the row's accumulated P V is multiplied by. A sink adds exp(sink) to the
+// fwd_sm90's RESCALE_SLACK below it; -inf: no visible key), sum its sum of exp2(s - max2). Writes the
+// row's log-sum-exp (natural log) to lse and returns what the row's accumulated P V is multiplied by. A sink adds exp(sink) to the
 // denominator; a row with no visible key then has output 0 and LSE = sink.
 template <class P>
 __device__ __forceinline__ float finish_row(float max2, float sum, int q, int Sq, int Sk, int batch, int head,

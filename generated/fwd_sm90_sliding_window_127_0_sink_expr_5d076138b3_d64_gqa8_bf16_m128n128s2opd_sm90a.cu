@@ -488,8 +488,8 @@ __device__ __forceinline__ float sink(int q, int Sq, int Sk, int batch, int head
 }
 
 // The end of one row's softmax: max2 is its reference in the log2 domain (the running max, or up to
-// fwd_sm90's RESCALE_SLACK below it; -inf: no visible key), sum its sum of exp2(s - max2). Writes the row's log-sum-exp (natural log) to lse and
-// returns what the row's accumulated P V is multiplied by. A sink adds exp(sink) to the
+// fwd_sm90's RESCALE_SLACK below it; -inf: no visible key), sum its sum of exp2(s - max2). Writes the
+// row's log-sum-exp (natural log) to lse and returns what the row's accumulated P V is multiplied by. A sink adds exp(sink) to the
 // denominator; a row with no visible key then has output 0 and LSE = sink.
 template <class P>
 __device__ __forceinline__ float finish_row(float max2, float sum, int q, int Sq, int Sk, int batch, int head,
@@ -1012,6 +1012,14 @@ constexpr float RESCALE_SLACK = 8.f;
 // max first (softmax_step). docs/perf-notes.md "Exponentials against the reference already held".
 constexpr bool SPECULATE = PINGPONG && !score::MODIFIED;
 
+// The largest of this thread's scores of row h (unscaled; quad_max makes it the row's).
+__device__ __forceinline__ float thread_max(const float (&s)[S_REGS], int h) {
+    float mx = NEG_INF;
+#pragma unroll
+    for (int c = 0; c < S_REGS / 4; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
+    return mx;
+}
+
 // Online softmax in the log2 domain, in place: S becomes exp2(scaled S - reference), the reference
 // being the running max; alpha rescales what was accumulated under the old reference. A row whose
 // reference is still -inf uses 0 instead, so exp2 gives 0 rather than NaN. (A tile's first block, and
@@ -1021,10 +1029,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[S_REGS], float (&row_max
     float ref[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        float mx = NEG_INF;
-#pragma unroll
-        for (int c = 0; c < S_REGS / 4; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
-        mx = fmaxf(row_max[h], quad_max(mx) * scale_log2);  // scale > 0: the max of scaled scores
+        const float mx = fmaxf(row_max[h], quad_max(thread_max(s, h)) * scale_log2);  // scale > 0: scaled scores' max
         ref[h] = mx == NEG_INF ? 0.f : mx;
         alpha[h] = fast_exp2(row_max[h] - ref[h]);
         row_max[h] = mx;
@@ -1065,10 +1070,10 @@ __device__ __forceinline__ void exponentiate(u32 (&pf)[PK][4], float (&sum)[2], 
 // The overlapped loop's softmax of every block after a tile's first, straight into P's operand: the
 // exponentials are taken against the reference the earlier blocks left, not after this block's max
 // (a chain of maxes and two shuffles that held back the first exp by 50-100 instructions). The max is
-// found beside them; a row whose max passes its reference by more than RESCALE_SLACK moves it, and
-// its warp takes the exponentials again from S, which is left as it was, and
-// rescales O. So the result never depends on the guess: an exponential that overflowed is taken
-// again. Rare once a row's first blocks have set its reference (docs/perf-notes.md "Exponentials
+// found beside them; a row whose max passes its reference by more than RESCALE_SLACK moves it, and its
+// warp takes the exponentials again from S, which is left as it was, and rescales O. So the result
+// never depends on the guess: an exponential that overflowed is taken again. Rare once a row's first
+// blocks have set its reference (docs/perf-notes.md "Exponentials
 // against the reference already held"). O's P V must be complete (pf and O are written).
 __device__ __forceinline__ void speculative_softmax(u32 (&pf)[PK][4], float (&o)[O_REGS], const float (&s)[S_REGS],
                                                    float (&row_max)[2], float (&row_sum)[2], float scale_log2) {
@@ -1076,9 +1081,7 @@ __device__ __forceinline__ void speculative_softmax(u32 (&pf)[PK][4], float (&o)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         ref[h] = row_max[h] == NEG_INF ? 0.f : row_max[h];
-        mx[h] = NEG_INF;
-#pragma unroll
-        for (int c = 0; c < S_REGS / 4; ++c) mx[h] = fmaxf(mx[h], fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
+        mx[h] = thread_max(s, h);
     }
     exponentiate(pf, sum, s, ref, scale_log2);
     bool move[2];
