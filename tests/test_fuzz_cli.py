@@ -113,6 +113,58 @@ def test_builtin_and_random_specs(runners):
     assert f"attngen fuzz: {len(builtin) + 4} specs" in result.output
 
 
+def test_family_keeps_only_the_pools_specs_of_that_family(runners):
+    from attngen.fuzz.pool import builtin_specs
+
+    ours = [spec for spec in builtin_specs(ReferenceRunner.target) if spec.family == "fwd_sm80"]
+    assert 0 < len(ours) < len(builtin_specs(ReferenceRunner.target))
+    result = fuzz("--family", "fwd_sm80", "--examples", 3, "--seed", 0, "--max-seq-len", 8)
+    assert result.exit_code == 0, result.output
+    assert f"attngen fuzz: {len(ours)} specs" in result.output
+    assert "target sm_90a, families fwd_sm80: " in result.output and "fwd_sm90" not in result.output
+    result = fuzz("--family", "fwd_sm80", "--examples", 3, "--seed", 0, "--max-seq-len", 8, "--random-specs",
+                  "--random-spec-count", 4)
+    assert result.exit_code == 0, result.output
+    assert f"attngen fuzz: {len(ours) + 4} specs, up to 3 cases, seed 0\n  target sm_90a, families fwd_sm80: " \
+           f"{len(ours) + 4}\n" in result.output
+
+
+def test_random_specs_of_named_families_only():
+    from attngen.fuzz.pool import random_spec_pool
+
+    target = ReferenceRunner.target
+    assert {spec.family for spec in random_spec_pool(3, 12, target)} == {"fwd_sm80", "fwd_sm90"}
+    assert {spec.family for spec in random_spec_pool(3, 12, target, ["fwd_sm90"])} == {"fwd_sm90"}
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("--family", "fwd_sm81"), r"Invalid value for --family: 'fwd_sm81' is not a forward kernel family; allowed: "
+                                   r"fwd_sm90, fwd_sm80"),
+        (("--family", "fwd_sm80", "--decode"), r"'fwd_sm80' is not a decode kernel family; allowed: decode_sm80"),
+        (("--family", "fwd_sm80", "spec.yaml"), r"--family chooses among the built-in pool's specs; SPEC files run"),
+        (("--family", "fwd_sm80", "--replay", "x"), r"--replay runs reproducers: it takes no SPEC arguments, no "
+                                                    r"--random-specs and no --family"),
+    ],
+)
+def test_bad_family_arguments_are_named(runners, args, match):
+    result = fuzz(*args)
+    assert result.exit_code == 2 and re.search(match, " ".join(result.output.split())), result.output
+
+
+def test_a_family_that_runs_nothing_here_is_a_usage_error(runners):
+    class OnAnA100(ReferenceRunner):
+        target = targets.target("sm_80")
+
+    runners["runner"] = OnAnA100
+    result = fuzz("--family", "fwd_sm90", "--examples", 3)
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert ("Invalid value for --family: 'fwd_sm90': no spec of the built-in pool runs as it on sm_80; families "
+            "that run here: fwd_sm80") in text
+
+
 def test_a_spec_file_pinning_a_family_this_gpu_cannot_run_is_a_usage_error(runners, tmp_path, sm90a_only_family):
     class OnAnA100(ReferenceRunner):
         target = targets.target("sm_80")

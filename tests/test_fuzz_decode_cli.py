@@ -119,6 +119,14 @@ def test_a_correct_decode_passes_every_kernel_of_the_pool_and_exits_0(decode_run
     assert not (tmp_path / "failures").exists()
 
 
+def test_family_names_the_decode_family_of_the_pool(decode_runner, tmp_path):
+    specs = decode_specs(ReferenceDecodeRunner.target)
+    result = fuzz("--decode", "--family", "decode_sm80", "--examples", 2, "--seed", 3, *SMALL, "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"attngen fuzz --decode: {len(specs)} specs, up to 2 cases, seed 3\n  target "
+                                    f"sm_90a, families decode_sm80: {len(specs)} (")
+
+
 def test_a_failure_on_pages_of_whole_blocks_is_found_named_and_shrunk(decode_runner, spec_file, tmp_path):
     """A decode broken only on pages of whole key blocks: found, named by that kernel, shrunk to a case on
     pages that kernel takes (its search draws only those: tests/test_fuzz_paged.py)."""

@@ -70,6 +70,9 @@ def _status(*statuses: int) -> int:
                    "it on this GPU, mostly with a random config that fits), drawn from the seed.")
 @click.option("--random-spec-count", type=click.IntRange(min=1), default=DEFAULT_RANDOM_SPECS, show_default=True,
               help="How many random specs --random-specs adds.")
+@click.option("--family", "only_families", multiple=True, metavar="NAME",
+              help="Only the built-in pool's specs (and --random-specs') that run as this kernel family, e.g. "
+                   "fwd_sm90; with --decode, a decode family. Repeatable. Not with SPEC files.")
 @click.option("--examples", type=click.IntRange(min=1), default=DEFAULT_EXAMPLES, show_default=True,
               help="Cases to run (shrink steps not counted).")
 @click.option("--seed", type=click.IntRange(min=0), default=None,
@@ -100,7 +103,7 @@ def _status(*statuses: int) -> int:
 @click.option("--fault", type=click.Choice(sorted(FAULTS)), default=None,
               help="Run deliberately broken kernels (attngen/faults.py), to check that the fuzzer catches them "
                    "(with --replay: instead of the reproducers' recorded faults, also under --sanitize).")
-def fuzz(specs, random_specs, random_spec_count, examples, seed, time_budget, max_seq_len, decode, out_dir, replays,
+def fuzz(specs, random_specs, random_spec_count, only_families, examples, seed, time_budget, max_seq_len, decode, out_dir, replays,
          sanitize, sanitize_sample, sanitize_jobs, fault) -> None:
     """Fuzz the kernels of each SPEC (default: the built-in pool) against the reference.
 
@@ -131,18 +134,23 @@ def fuzz(specs, random_specs, random_spec_count, examples, seed, time_budget, ma
             _fail_to_start("--sanitize needs compute-sanitizer: put it on PATH, or nvcc with it beside it "
                            "(CUDA_HOME/bin)")
     if replays:
-        if specs or random_specs:
-            raise click.UsageError("--replay runs reproducers: it takes no SPEC arguments and no --random-specs")
+        if specs or random_specs or only_families:
+            raise click.UsageError("--replay runs reproducers: it takes no SPEC arguments, no --random-specs and no "
+                                   "--family")
         raise SystemExit(_replay_all(replays, fault, sanitizing))
+    if specs and only_families:
+        raise click.UsageError("--family chooses among the built-in pool's specs; SPEC files run as the families "
+                               "they pin or the dispatcher picks: drop one of them")
+    _check_family_names(only_families, "decode" if decode else "forward")
     runner = _decode_runner() if decode else _runner(fault)
     seed = secrets.randbelow(2**32) if seed is None else seed
     try:
         if decode:
             from attngen.fuzz.decode_command import decode_pool
 
-            pool = decode_pool(specs, runner.target)
+            pool = decode_pool(specs, runner.target, only_families)
         else:
-            pool = _spec_pool(specs, random_specs, random_spec_count, seed, runner.target)
+            pool = _spec_pool(specs, random_specs, random_spec_count, seed, runner.target, only_families)
     except SpecError as exc:
         raise click.BadParameter(str(exc), param_hint="SPEC") from None
     regime, limits = _regime(decode, max_seq_len)
@@ -215,8 +223,34 @@ def _limits(max_seq_len: int | None):
     return DEFAULT_LIMITS if max_seq_len is None else DEFAULT_LIMITS.up_to(max_seq_len)
 
 
-def _spec_pool(paths, random_specs: bool, random_spec_count: int, seed: int, target) -> tuple:
-    """The given spec files' specs, else the built-in pool, for the runner's target; plus random specs."""
+def only_these(pool, only_families, target, family_of) -> list:
+    """The pool's specs that run as one of only_families (all, when none are named); a usage error
+    when none does on this target."""
+    if not only_families:
+        return list(pool)
+    chosen = [spec for spec in pool if family_of(spec) in only_families]
+    if not chosen:
+        here = sorted({family_of(spec) for spec in pool})
+        raise click.BadParameter(f"{', '.join(map(repr, only_families))}: no spec of the built-in pool runs as "
+                                 f"{'it' if len(only_families) == 1 else 'them'} on {target.name}; families that "
+                                 f"run here: {', '.join(here) or 'none'}", param_hint="--family")
+    return chosen
+
+
+def _check_family_names(names, operation: str) -> None:
+    """--family names: each a registered family of the operation the run fuzzes."""
+    from attngen import families
+
+    allowed = families.registry(operation)
+    for name in names:
+        if name not in allowed:
+            raise click.BadParameter(f"{name!r} is not a {operation} kernel family; allowed: {', '.join(allowed)}",
+                                     param_hint="--family")
+
+
+def _spec_pool(paths, random_specs: bool, random_spec_count: int, seed: int, target, only_families=()) -> tuple:
+    """The given spec files' specs, else the built-in pool, for the runner's target; plus random specs;
+    with only_families, the built-in and random specs pinned to those families only."""
     from attngen import families
     from attngen.families import plan_spec
     from attngen.fuzz.pool import builtin_specs, random_spec_pool
@@ -236,9 +270,9 @@ def _spec_pool(paths, random_specs: bool, random_spec_count: int, seed: int, tar
             hint = " (fuzz it with --decode)" if spec.family and families.get_family(spec.family).operation == "decode" \
                 else ""
             raise SpecError(f"{exc}{hint}", field=exc.field) from None
-    pool = given or list(builtin_specs(target))
+    pool = given or only_these(builtin_specs(target), only_families, target, lambda spec: spec.family)
     if random_specs:
-        pool += random_spec_pool(seed, random_spec_count, target)
+        pool += random_spec_pool(seed, random_spec_count, target, only_families or None)
     return tuple(dict.fromkeys(pool))
 
 

@@ -30,9 +30,11 @@ def decode_limits(max_length: int | None) -> DecodeLimits:
     return DecodeLimits() if max_length is None else dataclasses.replace(DecodeLimits(), max_length=max_length)
 
 
-def decode_pool(paths, target) -> tuple:
-    """The SPEC files' specs, else the built-in decode problems (paged.decode_specs), for `target`."""
+def decode_pool(paths, target, only_families=()) -> tuple:
+    """The SPEC files' specs, else the built-in decode problems (paged.decode_specs) that run as one of
+    only_families (all, when none are named), for `target`."""
     from attngen.fuzz.case import is_packed
+    from attngen.fuzz.command import only_these
     from attngen.fuzz.paged import decode_specs
     from attngen.runtime.decode import decode_plan
     from attngen.specfile import load_spec
@@ -46,7 +48,10 @@ def decode_pool(paths, target) -> tuple:
             decode_plan(spec, target, paged=True)  # a decode family that runs it here, and its pinned config
         except SpecError as exc:
             raise SpecError(f"{spec.source}: {exc}", field=exc.field, problems=exc.problems) from None
-    return tuple(dict.fromkeys(given or decode_specs(target)))
+    if given:
+        return tuple(dict.fromkeys(given))
+    family_of = lambda spec: decode_plan(spec, target, paged=True).family  # noqa: E731
+    return tuple(dict.fromkeys(only_these(decode_specs(target), only_families, target, family_of)))
 
 
 def _families(pool, target) -> str:

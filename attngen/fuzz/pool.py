@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Collection
 
 from attngen import block_sparse, families, varlen
 from attngen.dtypes import DTYPES
@@ -206,9 +207,10 @@ def random_score_mod(rng: random.Random) -> str:
     ])()
 
 
-def random_spec(rng: random.Random, target: Target) -> AttentionSpec:
-    """A random problem, pinned to a random family that supports it on `target`, three times in four
-    with a random config of that family; always one the dispatcher plans on `target`."""
+def random_spec(rng: random.Random, target: Target, only: Collection[str] | None = None) -> AttentionSpec:
+    """A random problem, pinned to a random family that supports it on `target` (one of `only`, when
+    given), three times in four with a random config of that family; always one the dispatcher plans
+    on `target`."""
     for _ in range(RANDOM_TRIES):
         problem = Problem(head_dim=rng.choice(HEAD_DIMS), dtype=rng.choice(sorted(DTYPES)),
                           gqa_ratio=rng.choice(RANDOM_GQA_RATIOS), mask=random_mask(rng),
@@ -216,7 +218,7 @@ def random_spec(rng: random.Random, target: Target) -> AttentionSpec:
                           score_mod=random_score_mod(rng) if rng.random() < 0.25 else None)
         if rng.random() < RANDOM_VARLEN and varlen.native_reason(problem) is None:
             problem = dataclasses.replace(problem, varlen=True)
-        supporting = families.supporting(problem, target)
+        supporting = [f for f in families.supporting(problem, target) if only is None or f.name in only]
         if not supporting:
             continue
         family = rng.choice(supporting)
@@ -231,7 +233,8 @@ def random_spec(rng: random.Random, target: Target) -> AttentionSpec:
                      f"families: {', '.join(families.FAMILIES)}")
 
 
-def random_spec_pool(seed: int, count: int, target: Target) -> tuple[AttentionSpec, ...]:
+def random_spec_pool(seed: int, count: int, target: Target,
+                     only: Collection[str] | None = None) -> tuple[AttentionSpec, ...]:
     """`count` distinct random specs for `target`, the same for the same seed. A pool (not a spec per
     case) keeps the number of compiles bounded; hypothesis still shrinks towards the pool's first spec."""
     rng = random.Random(f"attngen-random-specs-{seed}")
@@ -239,5 +242,5 @@ def random_spec_pool(seed: int, count: int, target: Target) -> tuple[AttentionSp
     for _ in range(100 * count):
         if len(pool) == count:
             break
-        pool[random_spec(rng, target)] = None
+        pool[random_spec(rng, target, only)] = None
     return tuple(pool)
