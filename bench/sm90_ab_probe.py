@@ -1,21 +1,21 @@
-"""Same-process A/B of two versions of fwd_sm90's kernel header (flash_fwd_sm90.cuh): the working
-tree's against another file (say the last commit's), on the shapes where per-tile costs show, with
-cuDNN beside. Rounds alternate the two builds so clock and power drift fall on both. With --configs,
-the working tree's configs against each other instead (the default choices; "q2": at most two Q
-buffers).
+"""Same-process A/B of two versions of fwd_sm90's kernel (its headers; bench/sm90_versions.py says what a
+version is and where one is read from): the working tree's against another (say the last commit's), on
+the shapes where per-tile costs show, with cuDNN beside. Rounds alternate the two builds so clock and power
+drift fall on both. With --configs, the working tree's configs against each other instead (the default
+choices; "q2": at most two Q buffers).
 
-    git show HEAD:attngen/families/fwd_sm90/flash_fwd_sm90.cuh > .ab/base.cuh
-    PYTHONPATH=. python bench/sm90_ab_probe.py --base .ab/base.cuh [--rounds 2] [CASE ...]
-    PYTHONPATH=. python bench/sm90_ab_probe.py --base .ab/base.cuh --variant b=.ab/b.cuh [CASE ...]   (three builds)
+    PYTHONPATH=. python bench/sm90_ab_probe.py --base git:HEAD [--rounds 2] [CASE ...]
+    PYTHONPATH=. python bench/sm90_ab_probe.py --base git:HEAD --variant b=.ab/b/ [CASE ...]   (three builds)
     PYTHONPATH=. python bench/sm90_ab_probe.py --ordinary [--rounds 2] [CASE ...]   (early launch behind set-up, or not)
     PYTHONPATH=. python bench/sm90_ab_probe.py --configs [--rounds 2] [CASE ...]
 
-One line per case: milliseconds and TFLOP/s (visible pairs only for masks) per round and build."""
+On the device (no git history there): `python bench/sm90_versions.py git:HEAD > .ab/base.cuh` here, then
+--base .ab/base.cuh. One line per case: milliseconds and TFLOP/s (visible pairs only for masks) per round
+and build."""
+
 from __future__ import annotations
 
 import argparse
-import functools
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,26 +27,9 @@ from attngen.bench_masks import WINDOW, _document_ids
 from attngen.families import get_family
 from attngen.families.fwd_sm90 import family as sm90
 from attngen.flops import forward_flops
-from attngen.runtime import dispatch
 from attngen.spec import AttentionSpec
 
-HEADER = Path(sm90.FOLDER, "flash_fwd_sm90.cuh")
-
-
-def use_header(text: str | None) -> None:
-    """Build fwd_sm90 kernels from `text` in place of the working tree's header (None: the tree's)."""
-    family = get_family("fwd_sm90")
-    family.render = functools.partial(_render, text)
-    dispatch._kernels.clear()
-    dispatch.forget()
-
-
-def _render(text, plan):
-    source = sm90.Sm90Forward.render(get_family("fwd_sm90"), plan)
-    if text is not None:
-        source = source.replace(HEADER.read_text(), text)
-    return source
-
+import sm90_versions as versions
 
 # name -> (head_dim, mask, batch, seqlen, heads, kv_heads, config label or None for the default)
 DENSE = {
@@ -178,7 +161,7 @@ def compare_configs(names, rounds):
         for r in range(rounds):
             for label in labels if r % 2 == 0 else labels[::-1]:
                 sm90.Q_BUFFERS_MAX = 2 if label.endswith("/q2") else 3
-                use_header(None)
+                versions.use(None)
                 if name == "documents":
                     config = sm90.Sm90Config.from_label(label.split("/")[0])
                     get_family("fwd_sm90").default_config = lambda problem, target, seqlen=None, config=config: config
@@ -203,7 +186,7 @@ def dense_case(name):
 
 # name -> (head_dim, mask, batch, seqlen, heads, log2 rise of every row's scores per 128 keys): the keys'
 # scores climb along the sequence, so a row's max passes its reference by more than RESCALE_SLACK (8) at
-# every block from a rise of ~7 up (flash_fwd_sm90.cuh speculative_softmax then takes each block's exps
+# every block from a rise of ~7 up (softmax.cuh speculative_softmax then takes each block's exps
 # twice: its worst case) and never after the first block below ~5.
 RISING = {
     "d128-none-8k-rise3": (128, "none", 2, 8192, 16, 3.0),
@@ -236,9 +219,11 @@ def documents_case():
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--base", type=Path, help="the other version of flash_fwd_sm90.cuh")
-    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
-                        help="with --base: one more version of the header, timed in the same rounds")
+    parser.add_argument("--base", metavar="VERSION",
+                        help="the other version of the kernel: git:REV, a directory of its headers or a file "
+                             "(bench/sm90_versions.py)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=VERSION",
+                        help="with --base: one more version of the kernel, timed in the same rounds")
     parser.add_argument("--ordinary", action="store_true",
                         help="the working tree's kernels launched early behind their set-up kernel (family.py "
                              "EARLY_AFTER_SETUP) against the ordinary launch")
@@ -251,10 +236,10 @@ def main() -> None:
         with torch.no_grad():
             return compare_configs(args.cases or list(CONFIGS), args.rounds)
     if args.base is None and not args.ordinary:
-        parser.error("--base FILE, --ordinary or --configs")
-    # Two builds, rounds alternating: (name, header text or None for the tree's, early launch behind set-up).
-    variants = tuple((name, Path(file).read_text(), True) for name, _, file in (v.partition("=") for v in args.variant))
-    builds = (("base", args.base.read_text(), True), *variants, ("new", None, True)) if args.base else \
+        parser.error("--base VERSION, --ordinary or --configs")
+    # Builds, rounds alternating: (name, version or None for the tree's, early launch behind set-up).
+    variants = tuple((name, versions.load(source), True) for name, _, source in (v.partition("=") for v in args.variant))
+    builds = (("base", versions.load(args.base), True), *variants, ("new", None, True)) if args.base else \
         (("ordinary", None, False), ("early", None, True))
     names = args.cases or ["documents", *DENSE, *RISING]
     torch.manual_seed(0)
@@ -267,12 +252,12 @@ def main() -> None:
             for r in range(args.rounds):
                 for build, text, early in builds if r % 2 == 0 else builds[::-1]:
                     sm90.EARLY_AFTER_SETUP = early
-                    use_header(text)
+                    versions.use(text)
                     ms = time_ms(run, sets)
                     line.append(f"{build} {ms:.3f}ms {flops / ms / 1e9:4.0f}")
             print("  ".join(line), flush=True)
     sm90.EARLY_AFTER_SETUP = True
-    use_header(None)
+    versions.use(None)
 
 
 if __name__ == "__main__":

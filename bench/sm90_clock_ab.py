@@ -1,14 +1,14 @@
-"""Versions of fwd_sm90's kernel header compared at one locked clock: run under Nsight Compute, which holds
+"""Versions of fwd_sm90's kernel compared at one locked clock: run under Nsight Compute, which holds
 the SM clock at its base value while it times each kernel, so the GPU's fall in clock under sustained load
 (the ~10% swings of same-process A/B at boost clocks, docs/perf-notes.md) drops out of the comparison: the
 same kernel timed three times spreads by ~1%.
 
-    cp my-variant.cuh .ab/v1.cuh     # versions of attngen/families/fwd_sm90/flash_fwd_sm90.cuh
+    python bench/sm90_versions.py my-variant-dir/ > .ab/v1.cuh   # a version of the kernel (bench/sm90_versions.py)
     ncu --csv --print-units base --metrics gpu__time_duration.sum -k 'regex:sm90a$|sdpa|cudnn' \\
         python3 bench/sm90_clock_ab.py --variant v1=.ab/v1.cuh [--reps 3] [CASE ...] > ncu.csv
     python3 bench/sm90_clock_ab.py --report ncu.csv
 
-Builds: "base" (the working tree's header) and each --variant, with cuDNN beside them (dense masks);
+Builds: "base" (the working tree's kernel) and each --variant, with cuDNN beside them (dense masks);
 cases are bench/sm90_ab_probe.py's DENSE, a case written CASE@LABEL runs the config LABEL (such as
 d64-causal-2k-dyn@m192n128s2opr) to compare configs. The run prints one manifest line per call ("#call CASE BUILD
 warm|timed") in launch order; --report pairs them with ncu's rows and prints each case's median kernel
@@ -31,8 +31,9 @@ def run(args) -> None:
     import torch
 
     import sm90_ab_probe as ab
+    import sm90_versions as versions
 
-    builds = [("base", None)] + [(name, Path(path).read_text()) for name, path in args.variant]
+    builds = [("base", None)] + [(name, versions.load(source)) for name, source in args.variant]
     with torch.no_grad():
         for name in args.cases or list(ab.DENSE):
             shape, _, config = name.partition("@")  # CASE@LABEL: that config in place of the case's
@@ -42,7 +43,7 @@ def run(args) -> None:
             peer = ab.cudnn_call(mask, heads, kv_heads)
             calls = [("cudnn", lambda: peer(q, k, v))] if mask in ("none", "causal") else []
             for build, text in builds:
-                calls.append((build, lambda text=text: (ab.use_header(text),
+                calls.append((build, lambda text=text: (versions.use(text),
                                                         ab.runner(d, mask, heads, kv_heads, label)(q, k, v))))
             for build, call in calls:  # warm-ups: compiles, plans (ncu times them too: marked, then dropped)
                 call()
@@ -53,7 +54,7 @@ def run(args) -> None:
                     call()
                     torch.cuda.synchronize()
                     print(f"#call {name} {build} timed", flush=True)
-        ab.use_header(None)
+        versions.use(None)
 
 
 def report(path: Path) -> None:
@@ -90,8 +91,9 @@ def report(path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--variant", action="append", default=[], type=variant, metavar="NAME=FILE",
-                        help="a version of flash_fwd_sm90.cuh to time beside the tree's")
+    parser.add_argument("--variant", action="append", default=[], type=variant, metavar="NAME=VERSION",
+                        help="a version of the kernel to time beside the tree's: git:REV, a directory of its "
+                             "headers or a file (bench/sm90_versions.py)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--report", type=Path, help="pair a finished run's output and ncu CSV")
     parser.add_argument("cases", nargs="*")
@@ -114,13 +116,13 @@ def main() -> None:
 
 
 def variant(text: str) -> tuple[str, str]:
-    """NAME=FILE, FILE an existing header."""
-    name, sep, path = text.partition("=")
+    """NAME=VERSION, VERSION git:REV or an existing file or directory (bench/sm90_versions.py)."""
+    name, sep, source = text.partition("=")
     if not sep or not name or name in ("base", "cudnn"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=FILE with NAME other than base and cudnn")
-    if not Path(path).is_file():
-        raise argparse.ArgumentTypeError(f"{text!r}: {path!r} is not a file")
-    return name, path
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VERSION with NAME other than base and cudnn")
+    if not source.startswith("git:") and not Path(source).exists():
+        raise argparse.ArgumentTypeError(f"{text!r}: {source!r} is neither git:REV nor an existing file or directory")
+    return name, source
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 
 One line per kernel: the default config of each head dim and mask kind, a few pinned configs the tuner
 searches, and the feature combinations that press on registers (dropout, softcap + sink, varlen, a
-document mask). A change to flash_fwd_sm90.cuh is checked here before it reaches a GPU.
+document mask). A change to fwd_sm90's kernel headers is checked here before it reaches a GPU.
 """
 
 from __future__ import annotations

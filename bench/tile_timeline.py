@@ -1,6 +1,6 @@
 """Where a fwd_sm90 tile's time goes beyond its key blocks (docs/perf-notes.md, "Per-tile cost"), on
 the GPU: every fwd_sm90 kernel of this process is built with ATTNGEN_TRACE, which stamps the SM clock
-at each tile's phases (flash_fwd_sm90.cuh `trace`), and each case's last call is read back.
+at each tile's phases (trace.cuh `trace`), and each case's last call is read back.
 
   PYTHONPATH=. python bench/tile_timeline.py [CASE ...]
 
@@ -20,7 +20,7 @@ import numpy as np
 EVENTS = ["TILE_WAIT", "TILE_READY", "Q_READY", "FIRST_SOFTMAX", "LAST_PV", "STORED", "KEY_BLOCKS", "SM", "K0_READY",
           "TURN0", "S0_READY", "Q_ISSUED", "K0_ISSUED", "V0_ISSUED", "S0_MASKED"]
 E = {name: i for i, name in enumerate(EVENTS)}
-SHAPE = (1024, 3, 32, 16)  # flash_fwd_sm90.cuh attngen_trace: [cta][warpgroup 0, 1, producer][tile][event]
+SHAPE = (1024, 3, 32, 16)  # trace.cuh attngen_trace: [cta][warpgroup 0, 1, producer][tile][event]
 
 
 def cases(torch, attngen):

@@ -531,36 +531,9 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[128], const u32 (&a)[4], u64
 
 
 
-// ---- flash_fwd_sm90.cuh: FlashAttention forward for Hopper (sm_90a) ----
-// A CTA works through tiles (one query block of one (batch, query head) each), under one of
-// three schedules (tile_of; docs/perf-notes.md: which wins where):
-// - grid: one CTA per tile, each head's query blocks together (its K/V stay in L2) and longest
-//   first (under a causal mask the last block sees the most keys); the hardware's block
-//   scheduler hands out the next CTA as one finishes.
-// - PAIRS: a persistent grid (one CTA per SM) dealt consecutive pairs of tiles round-robin, each
-//   head's blocks zigzagging from both ends (longest, shortest, second longest, ...): under a
-//   causal mask every pair holds about the same number of key blocks, so the static schedule
-//   comes out balanced.
-// - DYNAMIC: a persistent grid whose producer takes each next tile from a counter in global
-//   memory (zeroed by the module's reset kernel before every launch), as the hardware scheduler
-//   would. Tiles come in sections of heads whose K/V fit in L2 together, longest query blocks
-//   first across a section's heads: balanced under any mask.
-// Under every schedule the producer works out each tile (its place and key blocks) and hands it to
-// the consumers through a shared-memory slot guarded by two mbarriers (TileSlot). Persistent grids
-// load the next tiles' Q while the current one runs, and (CARRY) issue a tile's last P V together
-// with the next tile's first S, its epilogue following once that P V is done. Warp specialisation:
-// warpgroup 0 is the producer, one thread of which streams Q (Q_BUFFERS deep) and the K/V blocks
-// through a NUM_STAGES-deep ring with TMA, completing on mbarriers; the ring runs on across tiles.
-// Warpgroups 1..CONSUMERS each own 64 query rows: S = Q K^T on wgmma (both operands in shared
-// memory), the online softmax in registers, O += P V on wgmma with P straight from registers.
-// OVERLAP issues S of block j+1 together with the P V of block j, in one turn; PINGPONG makes the
-// consumer warpgroups take turns issuing GEMMs, so one's softmax runs under the other's. A warpgroup
-// whose rows all lie past the sequence's last skips the tile, keeping step (idle_tile). Key blocks
-// the mask makes empty are never loaded; blocks it makes full are never masked per element.
-// CLUSTER (2, PAIRS without a mask only): the two CTAs of a cluster run the two tiles of a pair
-// side by side, on the same head and key blocks, and each loads half of every K/V block (every
-// other 64-column chunk) into both CTAs' rings by TMA multicast: L2 serves each block once for
-// two tiles. A stage is refilled once both CTAs' consumers have released it.
+// The kernel: its headers, one piece each (flash_fwd_sm90.cuh, last, says what each holds).
+// ---- shapes.cuh: fwd_sm90's sizes, from the plan (namespace cfg): threads, tiles, shared memory, registers ----
+// The first of the kernel's headers; flash_fwd_sm90.cuh lists them in the order the template pastes them.
 // Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
 // CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PAIRS, DYNAMIC, VARLEN, CLUSTER,
 // SET_MAX_REGS, PRODUCER_REGS, CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
@@ -596,6 +569,12 @@ static_assert(Q_CHUNK % ALIGN == 0 && KV_CHUNK % ALIGN == 0, "every tile starts 
 static_assert(CLUSTER == 1 || (CLUSTER == 2 && PAIRS && !VARLEN && CHUNKS % 2 == 0),
               "a cluster of two CTAs: pairs of tiles, the K/V chunks split evenly between them");
 
+}  // namespace fa90
+
+// ---- tiles.cuh: which tile a CTA works on next (the schedules of flash_fwd_sm90.cuh), and the key blocks
+// a tile visits (from the mask's bounds: empty blocks never visited, full ones never masked per element) ----
+
+namespace fa90 {
 
 // Tile t of the order. grid and PAIRS: (batch, head) pairs one after another (the query heads of
 // one kv head together). Within a pair, grid: the query blocks longest first (M-1, M-2, ...);
@@ -647,40 +626,6 @@ __device__ __forceinline__ int varlen_tiles(const Params& p) { return p.tile_cou
 __device__ __forceinline__ Tile varlen_tile(const Params&, int) { return {}; }
 __device__ __forceinline__ int varlen_tiles(const Params&) { return 0; }
 #endif
-
-// A development timeline (bench/tile_timeline.py defines ATTNGEN_TRACE): per CTA, consumer warpgroup
-// and tile, the SM clock at TRACE_EVENTS points of the tile, its key-block count and the SM.
-#ifdef ATTNGEN_TRACE
-constexpr int TRACE_CTAS = 1024, TRACE_TILES = 32, TRACE_EVENTS = 16;
-__device__ long long attngen_trace[TRACE_CTAS][3][TRACE_TILES][TRACE_EVENTS];  // warpgroups 0, 1; 2: the producer
-// The clock once every score is computed (the stamp waits for them).
-template <int N>
-__device__ __forceinline__ long long fence_clock(const float (&s)[N]) {
-    float x = 0.f;
-#pragma unroll
-    for (int i = 0; i < N; ++i) x += s[i];
-    long long c;
-    asm volatile("add.f32 %1, %1, 0f00000000;\n\tmov.u64 %0, %%clock64;\n" : "=l"(c), "+f"(x));
-    return c;
-}
-__device__ __forceinline__ int smid() {
-    int id;
-    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
-    return id;
-}
-__device__ __forceinline__ void trace(int wg, int j, int event, long long value = -1) {
-    if (threadIdx.x % WG_THREADS == 0 && blockIdx.x < TRACE_CTAS && wg < 3 && j < TRACE_TILES)
-        attngen_trace[blockIdx.x][wg][j][event] = value < 0 ? clock64() : value;
-}
-#else
-__device__ __forceinline__ void trace(int, int, int, long long = -1) {}
-__device__ __forceinline__ int smid() { return 0; }
-template <int N>
-__device__ __forceinline__ long long fence_clock(const float (&)[N]) { return 0; }
-#endif
-enum TraceEvent { TILE_WAIT, TILE_READY, Q_READY, FIRST_SOFTMAX, LAST_PV, STORED, KEY_BLOCKS, SM, K0_READY, TURN0,
-                  S0_READY, Q_ISSUED, K0_ISSUED, V0_ISSUED, S0_MASKED };
-constexpr int TRACE_PRODUCER = 2;
 
 __device__ __forceinline__ int blocks_per_head(const Params& p) {
     return PAIRS ? (p.m_blocks + 1) & ~1 : p.m_blocks;
@@ -741,27 +686,6 @@ struct Blocks {
     }
 };
 
-// What the producer hands the consumers for each tile: its order position (past the last: no more
-// work), place and key blocks. The producer works them out for its loads anyway, ahead of the
-// consumers: they read them here at a tile boundary rather than repeat the arithmetic (and, under
-// VARLEN, the tile list's global reads) between their GEMMs.
-struct TileSlot {
-    int t;
-    Tile tile;
-    Blocks blocks;
-};
-
-struct Pipeline {
-    u64 q_full[Q_BUFFERS], q_empty[Q_BUFFERS];
-    u64 k_full[NUM_STAGES], k_empty[NUM_STAGES], v_full[NUM_STAGES], v_empty[NUM_STAGES];
-    // The next tile, handed from the producer to the consumers through `next` (TileSlot) once
-    // tile_empty says every consumer thread has read the previous one. mbarriers, not named
-    // barriers: their arrive releases the arriving thread's accesses, which racecheck follows (it
-    // takes bar.arrive for no ordering and reported a named-barrier hand-over as a race).
-    u64 tile_full, tile_empty;
-    TileSlot next;
-};
-
 __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
     // A phantom block past the last row has no key blocks; under CLUSTER its CTA still loads its half
     // of the pair's blocks, those of the head's last block. Its consumers idle through them under
@@ -783,6 +707,74 @@ __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
     b.full_hi = min(mb.full_end, seq_k(p, tile));  // a ragged last block is always masked
     return b;
 }
+
+}  // namespace fa90
+
+// ---- trace.cuh: a development timeline of the tiles' phases (bench/tile_timeline.py); empty otherwise ----
+
+namespace fa90 {
+
+// A development timeline (bench/tile_timeline.py defines ATTNGEN_TRACE): per CTA, consumer warpgroup
+// and tile, the SM clock at TRACE_EVENTS points of the tile, its key-block count and the SM.
+#ifdef ATTNGEN_TRACE
+constexpr int TRACE_CTAS = 1024, TRACE_TILES = 32, TRACE_EVENTS = 16;
+__device__ long long attngen_trace[TRACE_CTAS][3][TRACE_TILES][TRACE_EVENTS];  // warpgroups 0, 1; 2: the producer
+// The clock once every score is computed (the stamp waits for them).
+template <int N>
+__device__ __forceinline__ long long fence_clock(const float (&s)[N]) {
+    float x = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) x += s[i];
+    long long c;
+    asm volatile("add.f32 %1, %1, 0f00000000;\n\tmov.u64 %0, %%clock64;\n" : "=l"(c), "+f"(x));
+    return c;
+}
+__device__ __forceinline__ int smid() {
+    int id;
+    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
+    return id;
+}
+__device__ __forceinline__ void trace(int wg, int j, int event, long long value = -1) {
+    if (threadIdx.x % WG_THREADS == 0 && blockIdx.x < TRACE_CTAS && wg < 3 && j < TRACE_TILES)
+        attngen_trace[blockIdx.x][wg][j][event] = value < 0 ? clock64() : value;
+}
+#else
+__device__ __forceinline__ void trace(int, int, int, long long = -1) {}
+__device__ __forceinline__ int smid() { return 0; }
+template <int N>
+__device__ __forceinline__ long long fence_clock(const float (&)[N]) { return 0; }
+#endif
+enum TraceEvent { TILE_WAIT, TILE_READY, Q_READY, FIRST_SOFTMAX, LAST_PV, STORED, KEY_BLOCKS, SM, K0_READY, TURN0,
+                  S0_READY, Q_ISSUED, K0_ISSUED, V0_ISSUED, S0_MASKED };
+constexpr int TRACE_PRODUCER = 2;
+
+}  // namespace fa90
+
+// ---- producer.cuh: the producer warpgroup, which works out each tile, hands it to the consumers, and
+// streams its Q and K/V blocks into shared memory with TMA ----
+
+namespace fa90 {
+
+// What the producer hands the consumers for each tile: its order position (past the last: no more
+// work), place and key blocks. The producer works them out for its loads anyway, ahead of the
+// consumers: they read them here at a tile boundary rather than repeat the arithmetic (and, under
+// VARLEN, the tile list's global reads) between their GEMMs.
+struct TileSlot {
+    int t;
+    Tile tile;
+    Blocks blocks;
+};
+
+struct Pipeline {
+    u64 q_full[Q_BUFFERS], q_empty[Q_BUFFERS];
+    u64 k_full[NUM_STAGES], k_empty[NUM_STAGES], v_full[NUM_STAGES], v_empty[NUM_STAGES];
+    // The next tile, handed from the producer to the consumers through `next` (TileSlot) once
+    // tile_empty says every consumer thread has read the previous one. mbarriers, not named
+    // barriers: their arrive releases the arriving thread's accesses, which racecheck follows (it
+    // takes bar.arrive for no ordering and reported a named-barrier hand-over as a race).
+    u64 tile_full, tile_empty;
+    TileSlot next;
+};
 
 // gridDim.x read where it is used (asm volatile: not hoisted), so the producer's 24 registers do not
 // hold it across the loop (ptxas spilled it there).
@@ -918,7 +910,12 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
     }
 }
 
-// -- consumer pieces ---------------------------------------------------------------------------------
+}  // namespace fa90
+
+// ---- gemm.cuh: a consumer warpgroup's two GEMMs on wgmma, S = Q K^T and O += P V ----
+
+namespace fa90 {
+
 // Descriptors of a tile's k16 steps: the tile's own plus the step's byte offset in the 14-bit start
 // address field (shared memory ends below 2^18 bytes, so the field never carries): one add per
 // step, the tile's descriptor made once.
@@ -943,6 +940,13 @@ __device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&pf)[PK]
     for (int kk = 0; kk < PK; ++kk) wgmma_pv(o, pf[kk], desc_at(b, kk * 2048));
     wgmma_commit();
 }
+
+}  // namespace fa90
+
+// ---- softmax.cuh: from S to P in a consumer's registers: score modifier, mask, and the online softmax in
+// the log2 domain (the first block's exact max, then exponentials against the reference already held) ----
+
+namespace fa90 {
 
 // Accumulator element i of this thread: row +8 when bit 1 of i is set, column 8 (i / 4) + 2 (lane % 4) + (i % 2).
 __device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0, bool full_block, const Params& p,
@@ -1112,6 +1116,13 @@ __device__ __forceinline__ void to_operand(u32 (&pf)[PK][4], const float (&s)[S_
         for (int j = 0; j < 4; ++j) pf[kk][j] = pack2<IS_BF16>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
     }
 }
+
+}  // namespace fa90
+
+// ---- consumer.cuh: a consumer warpgroup, 64 query rows of each tile: the GEMMs' turns (pingpong), the
+// overlapped or serial loop over key blocks, the epilogue, and the state one tile hands the next ----
+
+namespace fa90 {
 
 #ifdef ATTNGEN_DROPOUT
 // Dropout of a warp's P operand (16 rows from row_base, the key block from n0), after the row sums:
@@ -1534,6 +1545,45 @@ struct Consumer {
         }
     }
 };
+
+}  // namespace fa90
+
+// ---- flash_fwd_sm90.cuh: FlashAttention forward for Hopper (sm_90a) ----
+// A CTA works through tiles (one query block of one (batch, query head) each), under one of
+// three schedules (tile_of; docs/perf-notes.md: which wins where):
+// - grid: one CTA per tile, each head's query blocks together (its K/V stay in L2) and longest
+//   first (under a causal mask the last block sees the most keys); the hardware's block
+//   scheduler hands out the next CTA as one finishes.
+// - PAIRS: a persistent grid (one CTA per SM) dealt consecutive pairs of tiles round-robin, each
+//   head's blocks zigzagging from both ends (longest, shortest, second longest, ...): under a
+//   causal mask every pair holds about the same number of key blocks, so the static schedule
+//   comes out balanced.
+// - DYNAMIC: a persistent grid whose producer takes each next tile from a counter in global
+//   memory (zeroed by the module's reset kernel before every launch), as the hardware scheduler
+//   would. Tiles come in sections of heads whose K/V fit in L2 together, longest query blocks
+//   first across a section's heads: balanced under any mask.
+// Under every schedule the producer works out each tile (its place and key blocks) and hands it to
+// the consumers through a shared-memory slot guarded by two mbarriers (TileSlot). Persistent grids
+// load the next tiles' Q while the current one runs, and (CARRY) issue a tile's last P V together
+// with the next tile's first S, its epilogue following once that P V is done. Warp specialisation:
+// warpgroup 0 is the producer, one thread of which streams Q (Q_BUFFERS deep) and the K/V blocks
+// through a NUM_STAGES-deep ring with TMA, completing on mbarriers; the ring runs on across tiles.
+// Warpgroups 1..CONSUMERS each own 64 query rows: S = Q K^T on wgmma (both operands in shared
+// memory), the online softmax in registers, O += P V on wgmma with P straight from registers.
+// OVERLAP issues S of block j+1 together with the P V of block j, in one turn; PINGPONG makes the
+// consumer warpgroups take turns issuing GEMMs, so one's softmax runs under the other's. A warpgroup
+// whose rows all lie past the sequence's last skips the tile, keeping step (idle_tile). Key blocks
+// the mask makes empty are never loaded; blocks it makes full are never masked per element.
+// CLUSTER (2, PAIRS without a mask only): the two CTAs of a cluster run the two tiles of a pair
+// side by side, on the same head and key blocks, and each loads half of every K/V block (every
+// other 64-column chunk) into both CTAs' rings by TMA multicast: L2 serves each block once for
+// two tiles. A stage is refilled once both CTAs' consumers have released it.
+// The headers, in the order the template (fwd_sm90.cu.j2) pastes them: shapes.cuh (sizes from the plan),
+// tiles.cuh (tile schedules, key blocks), trace.cuh (a development timeline), producer.cuh (TMA loads),
+// gemm.cuh (wgmma), softmax.cuh (S to P), consumer.cuh (the consumer warpgroups), then this file: the
+// kernel's body.
+
+namespace fa90 {
 
 __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];

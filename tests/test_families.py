@@ -99,6 +99,21 @@ def test_preference_order_puts_the_hopper_family_first_on_h100():
     assert [f.name for f in supporting(problem, H100)] == ["fwd_sm90", "fwd_sm80"]
 
 
+def test_sm90_kernel_headers_are_pasted_whole_and_in_order():
+    """The kernel is split into headers of one job each (family.py KERNEL_HEADERS); the template pastes
+    every one, in that order, one after another: what bench/sm90_versions.py swaps for another version."""
+    from attngen.codegen.render import template_files
+    from attngen.families.fwd_sm90 import family as sm90
+
+    family = get_family("fwd_sm90")
+    named = [name for name in template_files(sm90.FOLDER, "fwd_sm90.cu.j2") if name in sm90.KERNEL_HEADERS]
+    assert named == list(sm90.KERNEL_HEADERS)
+    assert sorted(p.name for p in sm90.FOLDER.glob("*.cuh")) == sorted([*sm90.KERNEL_HEADERS, "varlen_tiles.cuh"])
+    spec = AttentionSpec(head_dim=128, mask="causal", family="fwd_sm90")
+    source = family.render(family.plan(spec.problem, H100, family.default_config(spec.problem, H100)))
+    assert "\n".join((sm90.FOLDER / name).read_text() for name in sm90.KERNEL_HEADERS) in source
+
+
 def test_sm90_config_rules():
     family = get_family("fwd_sm90")
     assert "pingpong=True is invalid with consumers=1" in family.check_config({"pingpong": True, "consumers": 1})[0]

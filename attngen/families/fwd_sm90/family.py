@@ -3,12 +3,12 @@
 A CTA computes query blocks of one (batch, query head) each: a producer warpgroup streams Q and
 the K/V blocks through a shared-memory ring with TMA, and `consumers` warpgroups of 64 query
 rows each run S = Q K^T and O += P V on wgmma with the online softmax in registers
-(flash_fwd_sm90.cuh). The config: keys per block, consumer warpgroups, ring stages, whether
-each warpgroup overlaps its softmax with its own GEMMs, whether the warpgroups take turns
-issuing GEMMs (pingpong), and the tile schedule (one CTA per tile, or one per SM dealt pairs of
-tiles or taking them from a counter the module's reset kernel zeroes before each launch). Runs
-only on sm_90a (H100, H200): wgmma and setmaxnreg exist nowhere else, and the runtime always
-plans for the GPU it runs on.
+(KERNEL_HEADERS; flash_fwd_sm90.cuh says what each holds). The config: keys per block, consumer
+warpgroups, ring stages, whether each warpgroup overlaps its softmax with its own GEMMs, whether
+the warpgroups take turns issuing GEMMs (pingpong), and the tile schedule (one CTA per tile, or
+one per SM dealt pairs of tiles or taking them from a counter the module's reset kernel zeroes
+before each launch). Runs only on sm_90a (H100, H200): wgmma and setmaxnreg exist nowhere else,
+and the runtime always plans for the GPU it runs on.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ from attngen.spec import Problem
 from attngen.targets import Target
 
 FOLDER = Path(__file__).resolve().parent
+# The kernel's headers, in the order fwd_sm90.cu.j2 pastes them (one after another, nothing between).
+KERNEL_HEADERS = ("shapes.cuh", "tiles.cuh", "trace.cuh", "producer.cuh", "gemm.cuh", "softmax.cuh", "consumer.cuh",
+                  "flash_fwd_sm90.cuh")
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 96, 128, 256)
 BLOCK_NS = (64, 80, 96, 112, 128, 144, 160, 176, 192)
@@ -55,7 +58,7 @@ NUM_STAGES = (2, 3, 4)
 # Registers per thread of the producer and of each consumer warpgroup (setmaxnreg): the 64K
 # register file split so the consumers hold S, P and O. One consumer warpgroup keeps the default.
 REGISTERS = {1: (None, None), 2: (24, 240), 3: (32, 160)}
-# Clusters: the producer is one thread (flash_fwd_sm90.cuh PRODUCER_WARP), which needs 32 registers
+# Clusters: the producer is one thread (producer.cuh PRODUCER_WARP), which needs 32 registers
 # for the multicast's operands (24 spilled 8-32 bytes); the consumers still fit in 232 without spills.
 CLUSTER_REGISTERS = {2: (32, 232)}
 # What a consumer thread's accumulators take, O (head_dim / 2), S (block_n / 2) and P (block_n / 4), most in
@@ -70,7 +73,7 @@ DROPOUT_CONSUMERS = 2
 # consumer warpgroups run head dims up to this.
 THREE_CONSUMERS_MAX_HEAD_DIM = 128
 DEFAULT_SMS = 132  # a persistent grid's size where the target is not a device (an H100 SXM)
-# Tile schedules (flash_fwd_sm90.cuh) and their label letters: one CTA per tile; one CTA per SM
+# Tile schedules (tiles.cuh tile_of) and their label letters: one CTA per tile; one CTA per SM
 # dealt pairs of tiles statically; one CTA per SM taking tiles from a counter.
 SCHEDULES = {"grid": "", "pairs": "r", "dynamic": "d"}
 # Bytes of K/V a dynamic schedule's section of heads may hold: half the H100's 50 MB L2, the rest
@@ -78,7 +81,7 @@ SCHEDULES = {"grid": "", "pairs": "r", "dynamic": "d"}
 L2_SECTION_BYTES = 25 << 20
 # Q tiles in shared memory, as many as fit up to this: with two, the next tile's Q loads while the
 # current tile runs; a third gives that load a tile of slack when the epilogue holds its tile's
-# buffer into the next tile (flash_fwd_sm90.cuh CARRY), which short tiles (documents) waited for.
+# buffer into the next tile (consumer.cuh CARRY), which short tiles (documents) waited for.
 Q_BUFFERS_MAX = 3
 # The kernel's own static shared memory (the Pipeline's barriers and tile slot, as ptxas reports it),
 # beside the dynamic tiles: a third Q buffer is planned only where both fit.
@@ -215,7 +218,7 @@ def _the_call(args: Sm90Args) -> ForwardCall:
 
 
 def smem_bytes(config: Sm90Config, head_dim: int, q_buffers: int = 1) -> int:
-    """flash_fwd_sm90.cuh's SMEM_BYTES: 1 KB of alignment slack, the Q tiles and the K and V rings,
+    """shapes.cuh's SMEM_BYTES: 1 KB of alignment slack, the Q tiles and the K and V rings,
     every row padded to whole 64-column chunks."""
     chunks = -(-head_dim // 64)
     return 1024 + chunks * 128 * (q_buffers * config.block_m + 2 * config.num_stages * config.block_n)
@@ -453,7 +456,7 @@ class Sm90Forward(KernelFamily):
                            early=EARLY_AFTER_SETUP)]
         if plan.schedule == "pairs":  # pairs of tiles (an even count per head) dealt out to one CTA per SM at most
             tiles = (m_blocks + 1) // 2 * 2 * call.heads_q * call.batch
-            grid = (tiles if tiles <= sms else min(tiles // 2, sms), 1, 1)  # flash_fwd_sm90.cuh tile_index
+            grid = (tiles if tiles <= sms else min(tiles // 2, sms), 1, 1)  # tiles.cuh tile_index
             if plan.cluster:  # one tile per CTA and round, a pair per cluster: an even grid
                 grid = (min(tiles, sms - sms % 2), 1, 1)
         else:

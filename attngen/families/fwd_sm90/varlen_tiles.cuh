@@ -10,7 +10,7 @@
 //   tensors. Rows outside every sequence see no key (output 0; LSE -inf, or the sink's logit).
 // - the tile list: {segment, query block} per entry, sorted by key blocks visited, longest first
 //   (a counting sort over WORK_BUCKETS; ties in any order); the kernel runs each entry once per query
-//   head, in sections of heads (flash_fwd_sm90.cuh varlen_tile), the longest first within each.
+//   head, in sections of heads (tiles.cuh varlen_tile), the longest first within each.
 // Workspace (p.tile_counter, ints): [0] the schedule's counter, [1] entries in the list, then the
 // segment table (int4, num_seqs + 2), then the list (int2, at most p.m_blocks entries).
 // Needs Params members in_cu_seqlens_q/k (+ _s0), num_seqs, m_blocks (the list's capacity), Sq, Sk,
