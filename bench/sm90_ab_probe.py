@@ -222,7 +222,7 @@ def main() -> None:
     parser.add_argument("--base", metavar="VERSION",
                         help="the other version of the kernel: git:REV, a directory of its headers or a file "
                              "(bench/sm90_versions.py)")
-    parser.add_argument("--variant", action="append", default=[], metavar="NAME=VERSION",
+    parser.add_argument("--variant", action="append", default=[], type=versions.named, metavar="NAME=VERSION",
                         help="with --base: one more version of the kernel, timed in the same rounds")
     parser.add_argument("--ordinary", action="store_true",
                         help="the working tree's kernels launched early behind their set-up kernel (family.py "
@@ -238,7 +238,7 @@ def main() -> None:
     if args.base is None and not args.ordinary:
         parser.error("--base VERSION, --ordinary or --configs")
     # Builds, rounds alternating: (name, version or None for the tree's, early launch behind set-up).
-    variants = tuple((name, versions.load(source), True) for name, _, source in (v.partition("=") for v in args.variant))
+    variants = tuple((name, versions.load(source), True) for name, source in args.variant)
     builds = (("base", versions.load(args.base), True), *variants, ("new", None, True)) if args.base else \
         (("ordinary", None, False), ("early", None, True))
     names = args.cases or ["documents", *DENSE, *RISING]
@@ -250,9 +250,9 @@ def main() -> None:
             ref_ms = cudnn()
             line = [f"{name:20s}"] + ([f"cuDNN {ref_ms:.3f}ms {flops / ref_ms / 1e9:4.0f}"] if ref_ms else [])
             for r in range(args.rounds):
-                for build, text, early in builds if r % 2 == 0 else builds[::-1]:
+                for build, version, early in builds if r % 2 == 0 else builds[::-1]:
                     sm90.EARLY_AFTER_SETUP = early
-                    versions.use(text)
+                    versions.use(version)
                     ms = time_ms(run, sets)
                     line.append(f"{build} {ms:.3f}ms {flops / ms / 1e9:4.0f}")
             print("  ".join(line), flush=True)

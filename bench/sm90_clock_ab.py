@@ -26,12 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import sm90_versions as versions  # noqa: E402 (after the path)
+
 
 def run(args) -> None:
     import torch
 
     import sm90_ab_probe as ab
-    import sm90_versions as versions
 
     builds = [("base", None)] + [(name, versions.load(source)) for name, source in args.variant]
     with torch.no_grad():
@@ -42,9 +43,9 @@ def run(args) -> None:
             (q, k, v), *_ = ab.input_sets(batch, seqlen, heads, d, kv_heads=kv_heads)
             peer = ab.cudnn_call(mask, heads, kv_heads)
             calls = [("cudnn", lambda: peer(q, k, v))] if mask in ("none", "causal") else []
-            for build, text in builds:
-                calls.append((build, lambda text=text: (versions.use(text),
-                                                        ab.runner(d, mask, heads, kv_heads, label)(q, k, v))))
+            for build, version in builds:
+                calls.append((build, lambda version=version: (versions.use(version),
+                                                              ab.runner(d, mask, heads, kv_heads, label)(q, k, v))))
             for build, call in calls:  # warm-ups: compiles, plans (ncu times them too: marked, then dropped)
                 call()
                 torch.cuda.synchronize()
@@ -91,7 +92,7 @@ def report(path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--variant", action="append", default=[], type=variant, metavar="NAME=VERSION",
+    parser.add_argument("--variant", action="append", default=[], type=versions.named, metavar="NAME=VERSION",
                         help="a version of the kernel to time beside the tree's: git:REV, a directory of its "
                              "headers or a file (bench/sm90_versions.py)")
     parser.add_argument("--reps", type=int, default=3)
@@ -113,16 +114,6 @@ def main() -> None:
             except ValueError as exc:
                 parser.error(f"case {case!r}: {exc}")
     run(args)
-
-
-def variant(text: str) -> tuple[str, str]:
-    """NAME=VERSION, VERSION git:REV or an existing file or directory (bench/sm90_versions.py)."""
-    name, sep, source = text.partition("=")
-    if not sep or not name or name in ("base", "cudnn"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VERSION with NAME other than base and cudnn")
-    if not source.startswith("git:") and not Path(source).exists():
-        raise argparse.ArgumentTypeError(f"{text!r}: {source!r} is neither git:REV nor an existing file or directory")
-    return name, source
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ The device machine has no git history: write a commit's version to a file here a
 """
 from __future__ import annotations
 
+import ast
 import functools
 import subprocess
 import sys
@@ -37,28 +38,53 @@ def tree() -> str:
 
 
 def load(source: str) -> str:
-    """The version that `source` names (the module docstring says how)."""
+    """The version that `source` names (the module docstring says how); SystemExit naming what is missing."""
     if source.startswith("git:"):
         return _at_commit(source[4:])
     path = Path(source)
     if path.is_dir():
-        return joined((path / name).read_text() for name in sm90.KERNEL_HEADERS)
+        family_py = path / "family.py"
+        names = _kernel_headers(family_py.read_text()) if family_py.is_file() else sm90.KERNEL_HEADERS
+        missing = [name for name in names if not (path / name).is_file()]
+        if missing:
+            raise SystemExit(f"{source}: a version's directory holds the kernel's headers ({', '.join(names)}); "
+                             f"missing: {', '.join(missing)}")
+        return joined((path / name).read_text() for name in names)
+    if not path.is_file():
+        raise SystemExit(f"{source}: no such file or directory; a version is git:REV, a directory of the kernel's "
+                         "headers or a file")
     return path.read_text()
+
+
+def named(text: str) -> tuple[str, str]:
+    """NAME=VERSION (an argparse type): VERSION git:REV or an existing file or directory."""
+    import argparse
+
+    name, sep, source = text.partition("=")
+    if not sep or not name or name in ("base", "new", "cudnn"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VERSION with NAME other than base, new and cudnn")
+    if not source.startswith("git:") and not Path(source).exists():
+        raise argparse.ArgumentTypeError(f"{text!r}: {source!r} is neither git:REV nor an existing file or directory")
+    return name, source
+
+
+def _kernel_headers(family_py: str) -> tuple[str, ...]:
+    """family.py's KERNEL_HEADERS; (flash_fwd_sm90.cuh,) where it has none (before the split)."""
+    for node in ast.parse(family_py).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "KERNEL_HEADERS" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    return (SINGLE_HEADER,)
 
 
 def _at_commit(rev: str) -> str:
     def show(name):
         done = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{FOLDER_IN_REPO}/{name}"], capture_output=True,
                               text=True)
-        return done.stdout if done.returncode == 0 else None
+        if done.returncode != 0:
+            raise SystemExit(f"git:{rev}: {FOLDER_IN_REPO}/{name}: {done.stderr.strip()}")
+        return done.stdout
 
-    texts = [show(name) for name in sm90.KERNEL_HEADERS]
-    if all(text is not None for text in texts):
-        return joined(texts)
-    single = show(SINGLE_HEADER)
-    if single is None:
-        raise SystemExit(f"git:{rev}: no fwd_sm90 kernel headers at that commit")
-    return single
+    return joined(show(name) for name in _kernel_headers(show("family.py")))
 
 
 def use(version: str | None) -> None:

@@ -486,12 +486,6 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[64], const u32 (&a)[4], u64 
 // The kernel: its headers, one piece each (flash_fwd_sm90.cuh, last, says what each holds).
 // ---- shapes.cuh: fwd_sm90's sizes, from the plan (namespace cfg): threads, tiles, shared memory, registers ----
 // The first of the kernel's headers; flash_fwd_sm90.cuh lists them in the order the template pastes them.
-// Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
-// CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PAIRS, DYNAMIC, VARLEN, CLUSTER,
-// SET_MAX_REGS, PRODUCER_REGS, CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
-// namespace score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2),
-// and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS); with ATTNGEN_DROPOUT, namespace dropout
-// (attngen/cuda/philox.cuh) and p.rng.
 
 namespace fa90 {
 
@@ -523,7 +517,7 @@ static_assert(CLUSTER == 1 || (CLUSTER == 2 && PAIRS && !VARLEN && CHUNKS % 2 ==
 
 }  // namespace fa90
 
-// ---- tiles.cuh: which tile a CTA works on next (the schedules of flash_fwd_sm90.cuh), and the key blocks
+// ---- tiles.cuh: which tile a CTA works on next (the schedules flash_fwd_sm90.cuh describes), and the key blocks
 // a tile visits (from the mask's bounds: empty blocks never visited, full ones never masked per element) ----
 
 namespace fa90 {
@@ -641,7 +635,7 @@ struct Blocks {
 __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
     // A phantom block past the last row has no key blocks; under CLUSTER its CTA still loads its half
     // of the pair's blocks, those of the head's last block. Its consumers idle through them under
-    // OVERLAP (idle_tile); serial_tile computes them on Q's zero-filled rows, never stored.
+    // OVERLAP (consumer.cuh idle_tile); serial_tile computes them on Q's zero-filled rows, never stored.
     const int m0 = CLUSTER > 1 ? min(tile.m_block, p.m_blocks - 1) * BLOCK_M : tile.m_block * BLOCK_M;
     const int m1 = min(m0 + BLOCK_M, seq_q(p, tile));
     if (m0 >= seq_q(p, tile)) return {0, 0, 0, 0, nullptr};
@@ -702,8 +696,9 @@ constexpr int TRACE_PRODUCER = 2;
 
 }  // namespace fa90
 
-// ---- producer.cuh: the producer warpgroup, which works out each tile, hands it to the consumers, and
-// streams its Q and K/V blocks into shared memory with TMA ----
+// ---- producer.cuh: the pipeline's barriers and tile hand-over (Pipeline, TileSlot), and the producer
+// warpgroup, which works out each tile, hands it to the consumers, and streams its Q and K/V blocks into
+// shared memory with TMA ----
 
 namespace fa90 {
 
@@ -1534,6 +1529,12 @@ struct Consumer {
 // tiles.cuh (tile schedules, key blocks), trace.cuh (a development timeline), producer.cuh (TMA loads),
 // gemm.cuh (wgmma), softmax.cuh (S to P), consumer.cuh (the consumer warpgroups), then this file: the
 // kernel's body.
+// The headers need, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
+// CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PAIRS, DYNAMIC, VARLEN, CLUSTER,
+// SET_MAX_REGS, PRODUCER_REGS, CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
+// namespace score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2),
+// and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS); with ATTNGEN_DROPOUT, namespace dropout
+// (attngen/cuda/philox.cuh) and p.rng.
 
 namespace fa90 {
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from attngen import targets
 from attngen.cli import main
-from attngen.fuzz import command
+from attngen.fuzz import command, pool
 from attngen.fuzz.reproducer import CASE_FILE
 from attngen.fuzz.runners import ReferenceRunner
 from attngen.families import plan_spec
@@ -153,7 +153,7 @@ def test_bad_family_arguments_are_named(runners, args, match):
     assert result.exit_code == 2 and re.search(match, " ".join(result.output.split())), result.output
 
 
-def test_a_family_that_runs_nothing_here_is_a_usage_error(runners):
+def test_a_family_that_runs_nothing_here_is_a_usage_error(runners, monkeypatch):
     class OnAnA100(ReferenceRunner):
         target = targets.target("sm_80")
 
@@ -163,6 +163,13 @@ def test_a_family_that_runs_nothing_here_is_a_usage_error(runners):
     assert result.exit_code == 2, result.output
     assert ("Invalid value for --family: 'fwd_sm90': no spec of the built-in pool runs as it on sm_80; families "
             "that run here: fwd_sm80") in text
+    # Random specs cannot supply one either: a usage error naming --family, not a kernel failure.
+    monkeypatch.setattr(pool, "RANDOM_TRIES", 50)
+    result = fuzz("--family", "fwd_sm90", "--random-specs", "--examples", 3)
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert ("Invalid value for --family: no kernel family of 'fwd_sm90' plans a random problem on sm_80 in 50 "
+            "draws") in text
 
 
 def test_a_spec_file_pinning_a_family_this_gpu_cannot_run_is_a_usage_error(runners, tmp_path, sm90a_only_family):

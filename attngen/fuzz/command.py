@@ -103,8 +103,8 @@ def _status(*statuses: int) -> int:
 @click.option("--fault", type=click.Choice(sorted(FAULTS)), default=None,
               help="Run deliberately broken kernels (attngen/faults.py), to check that the fuzzer catches them "
                    "(with --replay: instead of the reproducers' recorded faults, also under --sanitize).")
-def fuzz(specs, random_specs, random_spec_count, only_families, examples, seed, time_budget, max_seq_len, decode, out_dir, replays,
-         sanitize, sanitize_sample, sanitize_jobs, fault) -> None:
+def fuzz(specs, random_specs, random_spec_count, only_families, examples, seed, time_budget, max_seq_len, decode,
+         out_dir, replays, sanitize, sanitize_sample, sanitize_jobs, fault) -> None:
     """Fuzz the kernels of each SPEC (default: the built-in pool) against the reference.
 
     The built-in pool asks each kernel family what it can run on this GPU: every family that
@@ -153,6 +153,8 @@ def fuzz(specs, random_specs, random_spec_count, only_families, examples, seed, 
             pool = _spec_pool(specs, random_specs, random_spec_count, seed, runner.target, only_families)
     except SpecError as exc:
         raise click.BadParameter(str(exc), param_hint="SPEC") from None
+    if not pool:  # --family named families none of whose specs run here
+        _refuse_families(only_families, decode, runner.target)
     regime, limits = _regime(decode, max_seq_len)
     raise SystemExit(_fuzz(pool, runner, regime, examples=examples, seed=seed, limits=limits,
                            time_budget=time_budget, out_dir=out_dir, fault=fault, sanitizing=sanitizing))
@@ -223,18 +225,32 @@ def _limits(max_seq_len: int | None):
     return DEFAULT_LIMITS if max_seq_len is None else DEFAULT_LIMITS.up_to(max_seq_len)
 
 
-def only_these(pool, only_families, target, family_of) -> list:
-    """The pool's specs that run as one of only_families (all, when none are named); a usage error
-    when none does on this target."""
-    if not only_families:
-        return list(pool)
-    chosen = [spec for spec in pool if family_of(spec) in only_families]
-    if not chosen:
-        here = sorted({family_of(spec) for spec in pool})
-        raise click.BadParameter(f"{', '.join(map(repr, only_families))}: no spec of the built-in pool runs as "
-                                 f"{'it' if len(only_families) == 1 else 'them'} on {target.name}; families that "
-                                 f"run here: {', '.join(here) or 'none'}", param_hint="--family")
-    return chosen
+def _refuse_families(only_families, decode: bool, target) -> NoReturn:
+    """A usage error: none of the built-in pool's specs runs as the --family names on this target."""
+    from attngen.fuzz.pool import builtin_specs
+
+    if decode:
+        from attngen.fuzz.decode_command import decode_pool
+
+        here = {_decode_family(spec, target) for spec in decode_pool((), target)}
+    else:
+        here = {_forward_family(spec, target) for spec in builtin_specs(target)}
+    names = ", ".join(map(repr, only_families))
+    raise click.BadParameter(f"{names}: no spec of the built-in pool runs as {'it' if len(only_families) == 1 else 'them'}"
+                             f" on {target.name}; families that run here: {', '.join(sorted(here)) or 'none'}",
+                             param_hint="--family")
+
+
+def _forward_family(spec, target) -> str:
+    from attngen.families import plan_spec
+
+    return plan_spec(spec, target).family
+
+
+def _decode_family(spec, target) -> str:
+    from attngen.runtime.decode import decode_plan
+
+    return decode_plan(spec, target, paged=True).family
 
 
 def _check_family_names(names, operation: str) -> None:
@@ -253,7 +269,7 @@ def _spec_pool(paths, random_specs: bool, random_spec_count: int, seed: int, tar
     with only_families, the built-in and random specs pinned to those families only."""
     from attngen import families
     from attngen.families import plan_spec
-    from attngen.fuzz.pool import builtin_specs, random_spec_pool
+    from attngen.fuzz.pool import builtin_specs, of_families, random_spec_pool
     from attngen.specfile import load_spec
 
     given = [load_spec(path) for path in paths]
@@ -270,9 +286,12 @@ def _spec_pool(paths, random_specs: bool, random_spec_count: int, seed: int, tar
             hint = " (fuzz it with --decode)" if spec.family and families.get_family(spec.family).operation == "decode" \
                 else ""
             raise SpecError(f"{exc}{hint}", field=exc.field) from None
-    pool = given or only_these(builtin_specs(target), only_families, target, lambda spec: spec.family)
+    pool = given or of_families(builtin_specs(target), only_families, lambda spec: _forward_family(spec, target))
     if random_specs:
-        pool += random_spec_pool(seed, random_spec_count, target, only_families or None)
+        try:
+            pool += random_spec_pool(seed, random_spec_count, target, only_families or None)
+        except ValueError as exc:  # no family (of those named) plans the random problems on this target
+            raise click.BadParameter(str(exc), param_hint="--family" if only_families else "--random-specs") from None
     return tuple(dict.fromkeys(pool))
 
 

@@ -34,8 +34,8 @@ def decode_pool(paths, target, only_families=()) -> tuple:
     """The SPEC files' specs, else the built-in decode problems (paged.decode_specs) that run as one of
     only_families (all, when none are named), for `target`."""
     from attngen.fuzz.case import is_packed
-    from attngen.fuzz.command import only_these
     from attngen.fuzz.paged import decode_specs
+    from attngen.fuzz.pool import of_families
     from attngen.runtime.decode import decode_plan
     from attngen.specfile import load_spec
 
@@ -51,7 +51,7 @@ def decode_pool(paths, target, only_families=()) -> tuple:
     if given:
         return tuple(dict.fromkeys(given))
     family_of = lambda spec: decode_plan(spec, target, paged=True).family  # noqa: E731
-    return tuple(dict.fromkeys(only_these(decode_specs(target), only_families, target, family_of)))
+    return tuple(dict.fromkeys(of_families(decode_specs(target), only_families, family_of)))
 
 
 def _families(pool, target) -> str:

@@ -207,6 +207,12 @@ def random_score_mod(rng: random.Random) -> str:
     ])()
 
 
+def of_families(specs, names: Collection[str], family_of) -> list[AttentionSpec]:
+    """The specs that run as one of the named families (family_of(spec): the family that runs it); all of
+    them when no family is named."""
+    return [spec for spec in specs if not names or family_of(spec) in names]
+
+
 def random_spec(rng: random.Random, target: Target, only: Collection[str] | None = None) -> AttentionSpec:
     """A random problem, pinned to a random family that supports it on `target` (one of `only`, when
     given), three times in four with a random config of that family; always one the dispatcher plans
@@ -229,7 +235,8 @@ def random_spec(rng: random.Random, target: Target, only: Collection[str] | None
             continue
         if plan_or_none(spec, target) is not None:  # the target must hold the config (shared memory, say)
             return spec
-    raise ValueError(f"no kernel family plans a random problem on {target.name} in {RANDOM_TRIES} draws; "
+    named = f"of {', '.join(map(repr, only))} " if only is not None else ""
+    raise ValueError(f"no kernel family {named}plans a random problem on {target.name} in {RANDOM_TRIES} draws; "
                      f"families: {', '.join(families.FAMILIES)}")
 
 

@@ -1,5 +1,6 @@
-// ---- producer.cuh: the producer warpgroup, which works out each tile, hands it to the consumers, and
-// streams its Q and K/V blocks into shared memory with TMA ----
+// ---- producer.cuh: the pipeline's barriers and tile hand-over (Pipeline, TileSlot), and the producer
+// warpgroup, which works out each tile, hands it to the consumers, and streams its Q and K/V blocks into
+// shared memory with TMA ----
 
 namespace fa90 {
 

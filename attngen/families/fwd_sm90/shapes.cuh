@@ -1,11 +1,5 @@
 // ---- shapes.cuh: fwd_sm90's sizes, from the plan (namespace cfg): threads, tiles, shared memory, registers ----
 // The first of the kernel's headers; flash_fwd_sm90.cuh lists them in the order the template pastes them.
-// Needs, from the rendered template: struct FwdSm90Params, namespace cfg { HEAD_DIM, BLOCK_M, BLOCK_N,
-// CONSUMERS, NUM_STAGES, Q_BUFFERS, GQA_RATIO, OVERLAP, PINGPONG, PAIRS, DYNAMIC, VARLEN, CLUSTER,
-// SET_MAX_REGS, PRODUCER_REGS, CONSUMER_REGS, IS_BF16 }, namespace mask { Bounds, bounds, visible } (attngen/cuda/mask.cuh.j2),
-// namespace score { MODIFIED, modify, finish_row } (attngen/cuda/score_mod.cuh.j2),
-// and wgmma_qk (m64 x BLOCK_N, SS) / wgmma_pv (m64 x HEAD_DIM, RS); with ATTNGEN_DROPOUT, namespace dropout
-// (attngen/cuda/philox.cuh) and p.rng.
 
 namespace fa90 {
 

@@ -1,4 +1,4 @@
-// ---- tiles.cuh: which tile a CTA works on next (the schedules of flash_fwd_sm90.cuh), and the key blocks
+// ---- tiles.cuh: which tile a CTA works on next (the schedules flash_fwd_sm90.cuh describes), and the key blocks
 // a tile visits (from the mask's bounds: empty blocks never visited, full ones never masked per element) ----
 
 namespace fa90 {
@@ -116,7 +116,7 @@ struct Blocks {
 __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
     // A phantom block past the last row has no key blocks; under CLUSTER its CTA still loads its half
     // of the pair's blocks, those of the head's last block. Its consumers idle through them under
-    // OVERLAP (idle_tile); serial_tile computes them on Q's zero-filled rows, never stored.
+    // OVERLAP (consumer.cuh idle_tile); serial_tile computes them on Q's zero-filled rows, never stored.
     const int m0 = CLUSTER > 1 ? min(tile.m_block, p.m_blocks - 1) * BLOCK_M : tile.m_block * BLOCK_M;
     const int m1 = min(m0 + BLOCK_M, seq_q(p, tile));
     if (m0 >= seq_q(p, tile)) return {0, 0, 0, 0, nullptr};
