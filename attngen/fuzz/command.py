@@ -18,6 +18,7 @@ import contextlib
 import os
 import secrets
 import shlex
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NoReturn
@@ -78,7 +79,8 @@ def _status(*statuses: int) -> int:
 @click.option("--seed", type=click.IntRange(min=0), default=None,
               help="Makes the run repeatable (cases and data). [default: random, printed]")
 @click.option("--time-budget", type=FiniteFloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
-              help="Stop drawing new cases after this long; a failure found in time is still shrunk.")
+              help="Stop drawing new cases this long after the start (kernels built ahead included); a failure "
+                   "found in time is still shrunk.")
 @click.option("--max-seq-len", type=click.IntRange(min=2), default=None, metavar="N",
               help="Longest query/key length to draw (a single query sees up to 4N keys) [default: 4200]; with "
                    f"--decode, the longest cache [default: {DEFAULT_DECODE_MAX_LENGTH}]. Lower it when the harness "
@@ -184,6 +186,7 @@ class Regime:
     families: Callable  # (pool, target) -> "fwd_sm80: 12, ...": which families run the pool
     longest: Callable  # (limits) -> the longest length drawn, which --max-seq-len sets
     more_kernels: str  # how a run reaches more kernels, for the sanitizer's sample
+    prepare: Callable = lambda pool, runner, examples: None  # -> a line to print: the pool's kernels built ahead
 
 
 def _regime(decode: bool, max_seq_len: int | None) -> tuple[Regime, object]:
@@ -196,7 +199,15 @@ def _regime(decode: bool, max_seq_len: int | None) -> tuple[Regime, object]:
     from attngen.fuzz.search import search
 
     return Regime("attngen fuzz", search, print_summary, _families, lambda limits: limits.max_seq,
-                  "specs or --random-specs"), _limits(max_seq_len)
+                  "specs or --random-specs", _compile_ahead), _limits(max_seq_len)
+
+
+def _compile_ahead(pool, runner, examples: int) -> str | None:
+    """The pool's kernels built in parallel before the first case (attngen/fuzz/compile_ahead.py), where the run
+    has a case for each spec at least; a runner without kernels (the CPU tests' reference) builds none."""
+    if examples < len(pool) or not hasattr(runner, "compile_ahead"):
+        return None
+    return runner.compile_ahead(pool).line()
 
 
 @dataclass(frozen=True)
@@ -313,6 +324,12 @@ def _fuzz(pool, runner, regime: Regime, *, examples, seed, limits, time_budget, 
     click.echo(f"{regime.name}: {len(pool)} specs, up to {examples} cases, seed {seed}{budget}"
                f"{f', fault {fault}' if fault else ''}\n  target {runner.target.name}, families "
                f"{regime.families(pool, runner.target)}")
+    start = time.monotonic()
+    line = regime.prepare(pool, runner, examples)
+    if line:
+        click.echo(line)
+    if time_budget:  # the budget counts from the start: kernels built ahead take their time from it
+        time_budget = max(time_budget - (time.monotonic() - start), 1e-3)
     with _hypothesis_files_under(out_dir), Progress(examples) as progress:
         outcome = regime.search(pool, runner, examples=examples, seed=seed, time_budget=time_budget, limits=limits,
                                 on_case=progress.update)

@@ -98,6 +98,12 @@ class KernelRunner:
     def kernel_name(self, spec: AttentionSpec) -> str:
         return plan_spec(spec, self.target, fault=self.fault).name
 
+    def compile_ahead(self, pool):
+        """Every kernel the pool's cases run, built into the on-disk cache at once (a process per CPU)."""
+        from attngen.fuzz.compile_ahead import compile_ahead
+
+        return compile_ahead(pool, self.target, self.fault)
+
     def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None, inputs=None) -> None:
         from attngen.runtime import dispatch
 
