@@ -6,7 +6,7 @@ import pytest
 
 from attngen import targets
 from attngen.fuzz import command
-from attngen.fuzz.compile_ahead import compile_ahead, plans
+from attngen.fuzz.compile_ahead import compile_ahead, decode_plans, forward_plans
 from attngen.fuzz.runners import ReferenceRunner
 from attngen.spec import AttentionSpec
 
@@ -29,23 +29,44 @@ def _nvrtc() -> bool:
 
 def test_a_case_runs_its_forward_plan_and_its_backward_plan_where_one_runs_it():
     hopper = AttentionSpec(head_dim=64, dtype="fp16", mask="causal", family="fwd_sm90")
-    found = plans(POOL[0], SM90, None)
+    found = forward_plans(POOL[0], SM90, None)
     assert set(found) == {"forward", "backward"} and found["forward"].name == ReferenceRunner().kernel_name(POOL[0])
     assert found["backward"].name == ReferenceRunner().backward_name(POOL[0])
-    faulty, sound = (plans(hopper, SM90, fault)["forward"].name for fault in ("drop_last_partial_kv_tile", None))
+    faulty, sound = (forward_plans(hopper, SM90, fault)["forward"].name
+                     for fault in ("drop_last_partial_kv_tile", None))
     assert faulty != sound  # a deliberately broken kernel is a kernel of its own
 
 
 @pytest.mark.skipif(not _nvrtc(), reason="NVRTC (CuPy + libnvrtc) not available")
 def test_every_plan_of_the_pool_is_built_once_into_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
-    names = {plan.name for spec in POOL for plan in plans(spec, SM90, None).values()}
+    names = {plan.name for spec in POOL for plan in forward_plans(spec, SM90, None).values()}
     first = compile_ahead(POOL, SM90, None, jobs=2)
     assert (first.kernels, first.failed, first.jobs) == (len(names), 0, 2)
     assert {p.name.split("-sm_90a-")[0] for p in tmp_path.glob("*.cubin")} == names
     again = compile_ahead(POOL, SM90, None, jobs=2)  # found in the cache
     assert (again.kernels, again.failed) == (len(names), 0)
     assert "compiled 4 kernels ahead in" in again.line() and "failed" not in again.line()
+
+
+def test_a_decode_case_runs_one_plan_per_kind_of_cache():
+    from attngen.fuzz.decode_runners import ReferenceDecodeRunner
+
+    spec = AttentionSpec(head_dim=64, dtype="fp16", gqa_ratio=2, mask="causal")
+    found = decode_plans(spec, SM90)
+    assert {size: plan.name for size, plan in found.items()} == {
+        size: ReferenceDecodeRunner().kernel_name(spec, size) for size in (16, 256, None)}
+    assert len({plan.name for plan in found.values()}) == 3  # pages of rows, of whole blocks, contiguous
+
+
+@pytest.mark.skipif(not _nvrtc(), reason="NVRTC (CuPy + libnvrtc) not available")
+def test_the_decode_plans_are_built_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
+    spec = AttentionSpec(head_dim=64, dtype="fp16", gqa_ratio=2, mask="causal")
+    built = compile_ahead([spec, spec], SM90, regime="decode", jobs=2)
+    assert (built.kernels, built.failed) == (3, 0)
+    assert {p.name.split("-sm_90a-")[0] for p in tmp_path.glob("*.cubin")} == {
+        plan.name for plan in decode_plans(spec, SM90).values()}
 
 
 def test_only_runs_with_a_case_per_spec_and_real_kernels_build_ahead():
@@ -55,9 +76,9 @@ def test_only_runs_with_a_case_per_spec_and_real_kernels_build_ahead():
 
             return CompiledAhead(len(pool), 1, 2.5, 4)
 
-    assert command._compile_ahead(POOL, ReferenceRunner(), 100) is None  # the CPU reference has no kernels
-    assert command._compile_ahead(POOL, Builds(), 2) is None  # fewer cases than specs: built as drawn
-    assert command._compile_ahead(POOL, Builds(), 3) == ("  compiled 3 kernels ahead in 2.5 s (4 processes), 1 "
+    assert command.compile_ahead_line(POOL, ReferenceRunner(), 100) is None  # the CPU reference has no kernels
+    assert command.compile_ahead_line(POOL, Builds(), 2) is None  # fewer cases than specs: built as drawn
+    assert command.compile_ahead_line(POOL, Builds(), 3) == ("  compiled 3 kernels ahead in 2.5 s (4 processes), 1 "
                                                          "failed (their cases report it)")
 
 

@@ -199,10 +199,10 @@ def _regime(decode: bool, max_seq_len: int | None) -> tuple[Regime, object]:
     from attngen.fuzz.search import search
 
     return Regime("attngen fuzz", search, print_summary, _families, lambda limits: limits.max_seq,
-                  "specs or --random-specs", _compile_ahead), _limits(max_seq_len)
+                  "specs or --random-specs", compile_ahead_line), _limits(max_seq_len)
 
 
-def _compile_ahead(pool, runner, examples: int) -> str | None:
+def compile_ahead_line(pool, runner, examples: int) -> str | None:
     """The pool's kernels built in parallel before the first case (attngen/fuzz/compile_ahead.py), where the run
     has a case for each spec at least; a runner without kernels (the CPU tests' reference) builds none."""
     if examples < len(pool) or not hasattr(runner, "compile_ahead"):

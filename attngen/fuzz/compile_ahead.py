@@ -1,9 +1,10 @@
-"""The fuzz pool's kernels compiled before its first case, in parallel processes, into the on-disk
-cache (attngen/build/compiler.py): the cases then load them instead of compiling them one at a time
-as hypothesis first draws each spec. On an H100 a cold pool of 38 fwd_sm90 specs took ~175 s of a
-545 s run to its 35th case, each spec's first case building its forward and backward kernels one
-after the other, before its cases ran at 10-16 a second (bench/results/fuzz-5921-seed141-*.log);
-NVRTC builds one of them in about a second, and one process per CPU builds the pool's 63 at once.
+"""The fuzz pool's kernels (forward and backward; with --decode, the decode plans) compiled before its
+first case, in parallel processes, into the on-disk cache (attngen/build/compiler.py): the cases then
+load them instead of compiling them one at a time as hypothesis first draws each spec. On an H100 a
+cold pool of 38 fwd_sm90 specs took ~175 s of a 545 s run to its 35th case, each spec's first case
+building its forward and backward kernels one after the other, before its cases ran at 10-16 a
+second (bench/results/fuzz-5921-seed141-*.log); NVRTC builds one of them in about a second, and one
+process per CPU builds the pool's 63 at once.
 
 A kernel that fails to build here is not reported here: its case compiles it again and reports the
 failure as a kernel failure, with its reproducer, as it always did.
@@ -33,9 +34,9 @@ class CompiledAhead:
                 f"{failed}")
 
 
-def plans(spec: AttentionSpec, target: Target, fault: str | None) -> dict:
-    """The plans a case of `spec` runs on `target`, by operation: the forward's and, where a backward
-    family runs the spec, the backward's (runners.py: KernelRunner and backward_plan_name)."""
+def forward_plans(spec: AttentionSpec, target: Target, fault: str | None) -> dict:
+    """The plans a forward case of `spec` runs on `target`: the forward's and, where a backward family
+    runs the spec, the backward's (runners.py: KernelRunner and backward_plan_name)."""
     from attngen.errors import SpecError
     from attngen.families import plan_spec
     from attngen.runtime.backward import backward_plan
@@ -48,27 +49,40 @@ def plans(spec: AttentionSpec, target: Target, fault: str | None) -> dict:
     return found
 
 
-def _build(spec: AttentionSpec, target: Target, fault: str | None, operation: str) -> bool:
+def decode_plans(spec: AttentionSpec, target: Target, fault: str | None = None) -> dict:
+    """The plans a decode case of `spec` may run, by page size: one per kind of cache (paged.py
+    FIRST_PAGE_SIZES: pages of rows, pages of whole key blocks, contiguous); each holds its combine."""
+    from attngen.fuzz.paged import FIRST_PAGE_SIZES
+    from attngen.runtime.decode import decode_plan
+
+    return {size: decode_plan(spec, target, size is not None, size) for size in FIRST_PAGE_SIZES}
+
+
+PLANS = {"forward": forward_plans, "decode": decode_plans}  # by regime
+
+
+def _build(regime: str, spec: AttentionSpec, target: Target, fault: str | None, key) -> bool:
     """Worker: one plan built into the on-disk cache (planned again here: plans do not pickle); whether
     it built (never raises)."""
     from attngen.build import compiler
 
     try:
-        compiler.build(plans(spec, target, fault)[operation])
+        compiler.build(PLANS[regime](spec, target, fault)[key])
         return True
     except Exception:  # noqa: BLE001 - the case that runs it reports the failure
         return False
 
 
-def compile_ahead(pool, target: Target, fault: str | None, jobs: int | None = None) -> CompiledAhead:
-    """Build every plan the pool's cases run, `jobs` processes at once (default: one per CPU)."""
+def compile_ahead(pool, target: Target, fault: str | None = None, jobs: int | None = None,
+                  regime: str = "forward") -> CompiledAhead:
+    """Build every plan the pool's cases run in `regime`, `jobs` processes at once (default: one per CPU)."""
     from attngen.tune.resources import process_pool
 
     start = time.monotonic()
     todo: dict[str, tuple] = {}  # plan name -> how a worker plans it again
     for spec in pool:
-        for operation, plan in plans(spec, target, fault).items():
-            todo.setdefault(plan.name, (spec, target, fault, operation))
+        for key, plan in PLANS[regime](spec, target, fault).items():
+            todo.setdefault(plan.name, (regime, spec, target, fault, key))
     if not todo:
         return CompiledAhead(0, 0, 0.0, 0)
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo)))

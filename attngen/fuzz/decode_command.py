@@ -14,7 +14,7 @@ import dataclasses
 from collections import Counter
 
 from attngen.errors import SpecError
-from attngen.fuzz.command import Regime
+from attngen.fuzz.command import Regime, compile_ahead_line
 from attngen.fuzz.paged import DecodeLimits
 
 
@@ -23,7 +23,7 @@ def decode_regime() -> Regime:
     from attngen.fuzz.report import print_decode_summary
 
     return Regime("attngen fuzz --decode", search_decode, print_decode_summary, _families,
-                  lambda limits: limits.max_length, "SPEC files")
+                  lambda limits: limits.max_length, "SPEC files", compile_ahead_line)
 
 
 def decode_limits(max_length: int | None) -> DecodeLimits:

@@ -39,6 +39,12 @@ class DecodeKernelRunner:
     def kernel_name(self, spec: AttentionSpec, page_size: int | None) -> str:
         return decode_kernel_name(spec, self.target, page_size)
 
+    def compile_ahead(self, pool):
+        """Every decode plan the pool's cases may run, built into the on-disk cache at once."""
+        from attngen.fuzz.compile_ahead import compile_ahead
+
+        return compile_ahead(pool, self.target, regime="decode")
+
     def __call__(self, q, k_cache, v_cache, cache_seqlens, *, page_table, spec, num_splits, inputs, return_lse=True):
         import attngen
 
