@@ -186,7 +186,7 @@ class Regime:
     families: Callable  # (pool, target) -> "fwd_sm80: 12, ...": which families run the pool
     longest: Callable  # (limits) -> the longest length drawn, which --max-seq-len sets
     more_kernels: str  # how a run reaches more kernels, for the sanitizer's sample
-    prepare: Callable = lambda pool, runner, examples: None  # -> a line to print: the pool's kernels built ahead
+    compile_ahead: Callable  # (pool, runner, examples) -> a line saying what was built before the first case, or None
 
 
 def _regime(decode: bool, max_seq_len: int | None) -> tuple[Regime, object]:
@@ -205,9 +205,8 @@ def _regime(decode: bool, max_seq_len: int | None) -> tuple[Regime, object]:
 def compile_ahead_line(pool, runner, examples: int) -> str | None:
     """The pool's kernels built in parallel before the first case (attngen/fuzz/compile_ahead.py), where the run
     has a case for each spec at least; a runner without kernels (the CPU tests' reference) builds none."""
-    if examples < len(pool) or not hasattr(runner, "compile_ahead"):
-        return None
-    return runner.compile_ahead(pool).line()
+    built = runner.compile_ahead(pool) if examples >= len(pool) else None
+    return None if built is None else built.line()
 
 
 @dataclass(frozen=True)
@@ -241,27 +240,21 @@ def _refuse_families(only_families, decode: bool, target) -> NoReturn:
     from attngen.fuzz.pool import builtin_specs
 
     if decode:
-        from attngen.fuzz.decode_command import decode_pool
+        from attngen.fuzz.decode_command import decode_family, decode_pool
 
-        here = {_decode_family(spec, target) for spec in decode_pool((), target)}
+        here = {decode_family(spec, target) for spec in decode_pool((), target)}
     else:
         here = {_forward_family(spec, target) for spec in builtin_specs(target)}
-    names = ", ".join(map(repr, only_families))
-    raise click.BadParameter(f"{names}: no spec of the built-in pool runs as {'it' if len(only_families) == 1 else 'them'}"
-                             f" on {target.name}; families that run here: {', '.join(sorted(here)) or 'none'}",
-                             param_hint="--family")
+    names, them = ", ".join(map(repr, only_families)), "it" if len(only_families) == 1 else "them"
+    raise click.BadParameter(f"{names}: no spec of the built-in pool runs as {them} on {target.name}; families that "
+                             f"run here: {', '.join(sorted(here)) or 'none'}", param_hint="--family")
 
 
 def _forward_family(spec, target) -> str:
+    """The family that runs `spec` on `target`."""
     from attngen.families import plan_spec
 
     return plan_spec(spec, target).family
-
-
-def _decode_family(spec, target) -> str:
-    from attngen.runtime.decode import decode_plan
-
-    return decode_plan(spec, target, paged=True).family
 
 
 def _check_family_names(names, operation: str) -> None:
@@ -310,9 +303,7 @@ def _families(pool, target) -> str:
     """How many of the pool's specs run as each family on the target: "fwd_sm80: 12"."""
     from collections import Counter
 
-    from attngen.families import plan_spec
-
-    counts = Counter(plan_spec(spec, target).family for spec in pool)
+    counts = Counter(_forward_family(spec, target) for spec in pool)
     return ", ".join(f"{family}: {n}" for family, n in counts.items())
 
 
@@ -325,7 +316,7 @@ def _fuzz(pool, runner, regime: Regime, *, examples, seed, limits, time_budget, 
                f"{f', fault {fault}' if fault else ''}\n  target {runner.target.name}, families "
                f"{regime.families(pool, runner.target)}")
     start = time.monotonic()
-    line = regime.prepare(pool, runner, examples)
+    line = regime.compile_ahead(pool, runner, examples)
     if line:
         click.echo(line)
     if time_budget:  # the budget counts from the start: kernels built ahead take their time from it

@@ -50,8 +50,14 @@ def decode_pool(paths, target, only_families=()) -> tuple:
             raise SpecError(f"{spec.source}: {exc}", field=exc.field, problems=exc.problems) from None
     if given:
         return tuple(dict.fromkeys(given))
-    family_of = lambda spec: decode_plan(spec, target, paged=True).family  # noqa: E731
-    return tuple(dict.fromkeys(of_families(decode_specs(target), only_families, family_of)))
+    return tuple(dict.fromkeys(of_families(decode_specs(target), only_families, lambda s: decode_family(s, target))))
+
+
+def decode_family(spec, target) -> str:
+    """The decode family that runs `spec` on `target`."""
+    from attngen.runtime.decode import decode_plan
+
+    return decode_plan(spec, target, paged=True).family
 
 
 def _families(pool, target) -> str:
@@ -61,7 +67,7 @@ def _families(pool, target) -> str:
     from attngen.fuzz.paged import FIRST_PAGE_SIZES
     from attngen.runtime.decode import decode_plan
 
-    counts = Counter(decode_plan(spec, target, paged=True).family for spec in pool)
+    counts = Counter(decode_family(spec, target) for spec in pool)
     kernels = {decode_plan(spec, target, size is not None, size).name for spec in pool for size in FIRST_PAGE_SIZES}
     families = ", ".join(f"{family}: {n}" for family, n in counts.items())
     return f"{families} ({len(kernels)} kernels: paged and contiguous)"

@@ -4,7 +4,8 @@ A decode runner has a `device`, a `target`, a `machine` (as attngen/fuzz/runners
 `kernel_name(spec, page_size)`: the decode plan it runs for a spec over a paged cache of that page
 size or (None) a contiguous one (pages of whole key blocks have a plan of their own). It is called as
 attngen.decode is, `runner(q, k_cache, v_cache, cache_seqlens, page_table=..., spec=...,
-num_splits=..., inputs=..., return_lse=True)`, and returns (out, lse).
+num_splits=..., inputs=..., return_lse=True)`, and returns (out, lse); `compile_ahead(pool)` builds the
+decode plans of the pool's cases before the first one (None where nothing is compiled).
 `DecodeKernelRunner` runs attngen.decode on the GPU; `ReferenceDecodeRunner` runs the reference on
 the CPU (correct by construction), so the CPU tests can run `attngen fuzz --decode` end to end and
 wrap it to build deliberately broken decodes.
@@ -65,6 +66,9 @@ class ReferenceDecodeRunner:
 
     def kernel_name(self, spec: AttentionSpec, page_size: int | None) -> str:
         return decode_kernel_name(spec, self.target, page_size)
+
+    def compile_ahead(self, pool) -> None:
+        return None  # no kernels
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, *, page_table, spec, num_splits, inputs, return_lse=True):
         out, lse = reference.decode_attention(q, k_cache, v_cache, cache_seqlens, spec, page_table=page_table,

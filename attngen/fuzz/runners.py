@@ -5,7 +5,9 @@ its kernels are planned and compiled for), a `machine` (what a reproducer record
 ran), `kernel_name(spec)` (the name of the plan it runs for a spec) and is called as
 `runner(spec, q, k, v, out=..., lse=..., softmax_scale=...)`; `backward_name(spec)` (the backward
 plan's name, None where no backward family runs the spec) and `backward(spec, q, k, v, out, lse,
-dout, dq=..., dk=..., dv=..., softmax_scale=...)` run the gradients, which run_case checks too. `KernelRunner` is the real one;
+dout, dq=..., dk=..., dv=..., softmax_scale=...)` run the gradients, which run_case checks too;
+`compile_ahead(pool)` builds every kernel the pool's cases run before the first one
+(attngen/fuzz/compile_ahead.py; None where nothing is compiled). `KernelRunner` is the real one;
 `ReferenceRunner` runs the reference through the same harness, so the whole find -> shrink ->
 reproduce -> replay path can be exercised without a GPU; tests wrap either to build deliberately
 broken runners.
@@ -47,6 +49,8 @@ class Runner(Protocol):
 
     def backward(self, spec: AttentionSpec, q, k, v, out, lse, dout, *, dq, dk, dv, softmax_scale: float | None,
                  inputs: dict | None = None) -> None: ...
+
+    def compile_ahead(self, pool): ...
 
 
 def backward_plan_name(spec: AttentionSpec, target: Target) -> str | None:
@@ -133,6 +137,9 @@ class ReferenceRunner:
 
     def kernel_name(self, spec: AttentionSpec) -> str:
         return plan_spec(spec, self.target).name
+
+    def compile_ahead(self, pool) -> None:
+        return None  # no kernels
 
     def __call__(self, spec, q, k, v, *, out, lse, softmax_scale=None, inputs=None) -> None:
         o, l = reference.attention_for_spec(q, k, v, spec, softmax_scale=softmax_scale, return_lse=True,
