@@ -108,6 +108,12 @@ def summarise(name: str, trace: np.ndarray, ms: float) -> None:
             gap = np.array(cta_gaps, dtype=np.int64)
             total = sum(sums.values()) + float(gap.sum())
             fixed = (total - steady * float(n.sum())) / len(n)
+        if wg == 0 and done[:, 1:].any():  # persistent: how evenly the CTAs' work ends (one clock for all SMs)
+            spans = (last - first)[done[:, 0]].astype(np.float64)
+            lines.append(f"  CTA spans (first tile's start to last store, clk): max {spans.max():.0f}, median "
+                         f"{np.median(spans):.0f}, min {spans.min():.0f}; idle at the end "
+                         f"{1 - spans.mean() / spans.max():.1%} of the longest; the longest at the call's time: "
+                         f"{spans.max() / (ms * 1e3):.0f} MHz")
         lines.append(f"  wg{wg}: {len(n)} tiles, {n.mean():.1f} blocks each, {steady:.0f} clk per steady block; "
                      f"per tile (clk): " + ", ".join(f"{k} {v / len(n):.0f}" for k, v in sums.items())
                      + f", gap {gap.mean() if len(gap) else 0:.0f}; fixed {fixed:.0f} clk = {fixed / steady:.2f} blocks"

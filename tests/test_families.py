@@ -423,19 +423,23 @@ def test_sm90_steady_loop_keeps_its_wgmma_descriptors_uniform(tmp_path, d, mask)
 
 
 @pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
-@pytest.mark.parametrize("d, mask, score_mod, speculates", [
-    (64, "causal", None, True), (96, "causal", None, True), (128, "none", None, True), (128, "causal", None, True),
-    (256, "none", None, False), (128, "causal", "softcap(30.0)", False)])
-def test_sm90_steady_loop_takes_exponentials_before_the_block_max(tmp_path, d, mask, score_mod, speculates):
+@pytest.mark.parametrize("d, mask, score_mod, label, speculates", [
+    (64, "causal", None, None, True), (96, "causal", None, None, True), (128, "none", None, None, True),
+    (128, "causal", None, None, True), (256, "none", None, None, True), (256, "causal", None, None, True),
+    (256, "none", None, "m128n80s2o", False), (128, "causal", "softcap(30.0)", None, False)])
+def test_sm90_steady_loop_takes_exponentials_before_the_block_max(tmp_path, d, mask, score_mod, label, speculates):
     """With pingpong and no score modifier, the overlapped loop's exps start right after the P V wait,
     against the reference the earlier blocks left (speculative_softmax), not after the block's max: a
     chain of maxes and two shuffles that put the first MUFU.EX2 ~50-100 instructions later
-    (docs/perf-notes.md "Exponentials against the reference already held"). Without pingpong (the d256
-    default) and under a modifier the max comes first, as before."""
+    (docs/perf-notes.md "Exponentials against the reference already held"). Without pingpong (a pinned
+    config; every default has it) and under a modifier the max comes first, as before."""
     if CUOBJDUMP is None:
         pytest.skip("cuobjdump not on PATH: the SASS is not checked here (CI installs it)")
-    plan = plan_spec(AttentionSpec(head_dim=d, mask=mask, score_mod=score_mod, family="fwd_sm90"), H100)
-    assert plan.pingpong == (d != 256), plan.name  # the defaults this test stands on
+    from attngen.families.fwd_sm90 import family as sm90
+
+    config = sm90.Sm90Config.from_label(label).to_dict() if label else None
+    plan = plan_spec(AttentionSpec(head_dim=d, mask=mask, score_mod=score_mod, family="fwd_sm90", config=config), H100)
+    assert plan.pingpong == (label is None), plan.name  # the defaults this test stands on
     cubin = tmp_path / "k.cubin"
     nvcc.check_plan(plan, keep_cubin=cubin)
     loop = _steady_loop(nvcc.sass(cubin))
