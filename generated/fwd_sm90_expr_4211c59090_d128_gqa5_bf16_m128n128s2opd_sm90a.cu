@@ -792,14 +792,17 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
             pipe.next = {t, tile, b};
             mbar_arrive(smem_u32(&pipe.tile_full));
         }
-        int next;
+        // DYNAMIC: the counter's answer is read by the warp only after this tile's first K/V loads are
+        // issued, so its round trip is not on the way to K0 (read here, the warp waited for it before
+        // every tile's loads: docs/perf-notes.md "The producer's K0 behind the counter").
+        int fetched = 0, next = 0;
         if constexpr (DYNAMIC) {
-            int fetched = 0;
-            if (leader) fetched = atomicAdd(p.tile_counter, 1);  // its latency hides under this tile's loads
-            next = __shfl_sync(0xffffffffu, fetched, 0) + grid_size();  // read here: not held in a register
-        } else {
-            next = tile_index(j + 1, tiles);
+            if (leader) fetched = atomicAdd(p.tile_counter, 1);
         }
+        auto resolve_next = [&]() {
+            if constexpr (DYNAMIC) next = __shfl_sync(0xffffffffu, fetched, 0) + grid_size();  // %nctaid here: no register
+            else next = tile_index(j + 1, tiles);
+        };
         if (!q_ahead) {
             mbar_wait(q_free(j), q_free_parity(j));
             load_q(tile, j);
@@ -838,9 +841,11 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
                 load_kv(sV + stage * KV_BYTES, &p.tmap_v, v_full, first_key(tile) + n0, kv_head, tile.batch);
                 if (it == 0) trace(TRACE_PRODUCER, j, V0_ISSUED);
             }
+            if (it == 0) resolve_next();
             try_next_q();
         }
-        try_next_q();  // a tile without key blocks
+        if (b.count() == 0) resolve_next();  // a tile without key blocks
+        try_next_q();
         q_ahead = next_q;
         t = next;
     }
