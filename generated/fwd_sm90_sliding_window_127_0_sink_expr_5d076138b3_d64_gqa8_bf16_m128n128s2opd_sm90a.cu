@@ -1155,9 +1155,9 @@ struct Turns {
     }
 };
 
-// VARLEN: this warpgroup's staged output rows (first: the first one's position in its sequence)
-// copied to out 16 bytes at a time, up to the sequence's last row; a TMA store would write the next
-// sequence's rows too. The tile's rows lie in [0, Sq) (varlen_tiles.cuh keeps segments inside q).
+// VARLEN: this warpgroup's staged output rows where its sequence ends among them (first: the first
+// one's position in its sequence), copied to out 16 bytes at a time up to the sequence's last row; a
+// TMA store would write the next sequence's rows too. The tile's rows lie in [0, Sq) (varlen_tiles.cuh keeps segments inside q).
 __device__ __forceinline__ void store_rows(const Params& p, u32 q_rows, const Tile& tile, int first, int tid) {
 #ifdef ATTNGEN_VARLEN
     constexpr int UNITS = HEAD_DIM / 8;  // 16-byte units of a row; unit c sits in column chunk c / 8
@@ -1311,13 +1311,18 @@ struct Consumer {
         fence_async_smem();
         named_sync(STORE_BARRIER + wg, WG_THREADS);
         const int m0 = done.tile.m_block * BLOCK_M + wg * 64;
-        if constexpr (VARLEN) {
+        // VARLEN: a TMA store would write past the sequence's last row into the next one's, so only
+        // row groups wholly inside the sequence take it; the sequence's last, ragged one is copied
+        // by the warpgroup (which costs its threads the stores' issue: docs/perf-notes.md "The varlen
+        // output through TMA").
+        if (VARLEN && m0 + 64 > seq_q(p, done.tile)) {
             store_rows(p, rows, done.tile, m0, tid);
             named_sync(STORE_BARRIER + wg, WG_THREADS);  // every row has left the Q buffer
         } else if (tid == 0) {
 #pragma unroll
             for (int c = 0; c < CHUNKS; ++c)
-                tma_store(&p.tmap_o, rows + c * Q_CHUNK, c * 64, m0, done.tile.head, done.tile.batch);
+                tma_store(&p.tmap_o, rows + c * Q_CHUNK, c * 64, first_row(done.tile) + m0, done.tile.head,
+                          done.tile.batch);
             tma_store_commit();
         }
         stored |= 1 << done.qb;
@@ -1328,7 +1333,7 @@ struct Consumer {
     __device__ __forceinline__ void release_q() {
         if (stored == 0) return;
         if (tid == 0) {
-            if constexpr (!VARLEN) tma_store_wait_read();
+            tma_store_wait_read();  // (VARLEN's ragged row groups were copied before the hand-over)
 #pragma unroll
             for (int qb = 0; qb < Q_BUFFERS; ++qb)
                 if (stored & (1 << qb)) mbar_arrive(smem_u32(&pipe.q_empty[qb]));

@@ -179,7 +179,8 @@ class Sm90Args:
 
 
 # Packed sequences (Problem.varlen): the sequence count for the tile builder, and out's pointer and
-# strides for the kernel's own stores (a TMA store would cross into the next sequence's rows).
+# strides for the kernel's own stores of a sequence's last, ragged row group (a TMA store would cross into
+# the next sequence's rows; whole row groups take the TMA store).
 VARLEN_ARGUMENTS = (
     Param("num_seqs", "int", "i32", lambda a: a.num_seqs, "varlen: sequences (cu_seqlens entries - 1)"),
     Param("o", "u16*", "ptr", lambda a: a.call.out.ptr, "varlen: out (1, total_q, Hq, D)"),
