@@ -42,6 +42,9 @@ def family_specs(gpu_family: str, runner) -> list[AttentionSpec]:
 def test_real_kernels_pass_a_short_fuzz(gpu_family):
     runner = KernelRunner()
     specs = family_specs(gpu_family, runner)
+    # The pool's kernels built at once, as `attngen fuzz` does: built one by one inside the search, a cold
+    # cache kept this test silent for minutes (docs/perf-notes.md "The GPU tests' silent minutes").
+    runner.compile_ahead(specs)
     outcome = search(specs, runner, examples=600, seed=0, limits=LIMITS)
     assert outcome.failure is None, outcome.failure.describe()
     assert outcome.cases == 600 and set(outcome.kernels) == {runner.kernel_name(s) for s in specs}
@@ -55,6 +58,7 @@ def test_the_regimes_beyond_two_lengths_pass_a_short_fuzz(gpu_family):
     specs = [spec for spec in family_specs(gpu_family, runner)
              if is_packed(spec) or "kv_offset" in spec.mask or spec.mask.startswith("block_mask_state[")]
     assert len(specs) >= 6 + 4 * (gpu_family == "fwd_sm90"), [spec.mask for spec in specs]
+    runner.compile_ahead(specs)
     outcome = search(specs, runner, examples=400, seed=1, limits=LIMITS)
     assert outcome.failure is None, outcome.failure.describe()
     assert set(outcome.kernels) == {runner.kernel_name(s) for s in specs}
