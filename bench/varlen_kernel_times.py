@@ -1,6 +1,10 @@
-"""Per-kernel GPU time (torch.profiler / CUPTI) of the packed documents (`attngen bench --masks`: 16 documents
-in 16384 tokens, 16 heads, d128, bf16, causal): the tile builder against the forward kernel, and the gap
-from one kernel's start to the next one's, 30 calls back to back.  PYTHONPATH=. python bench/varlen_kernel_times.py"""
+"""Per-kernel GPU time (torch.profiler / CUPTI) of packed documents, causal within each (d128, 16 heads,
+bf16): the tile builder against the forward kernel, and the gap from one kernel's start to the next one's,
+30 calls back to back. Default: `attngen bench --masks`'s 16 documents in 16384 tokens; `--documents N
+--tokens T`: N documents of random lengths (at least 1) filling T tokens.
+
+    PYTHONPATH=. python bench/varlen_kernel_times.py [--documents N --tokens T]"""
+import argparse
 import collections
 import statistics
 
@@ -10,8 +14,18 @@ from torch.profiler import ProfilerActivity, profile
 import attngen
 from attngen.bench_masks import _document_ids
 
-_, lengths = _document_ids()
-q, k, v = (torch.randn(16384, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+parser = argparse.ArgumentParser()
+parser.add_argument("--documents", type=int, default=0, help="random documents (default: the bench's 16)")
+parser.add_argument("--tokens", type=int, default=16384)
+args = parser.parse_args()
+if args.documents:
+    gen = torch.Generator().manual_seed(0)
+    cuts = torch.randperm(args.tokens - 1, generator=gen)[:args.documents - 1].add(1).sort().values
+    lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([args.tokens])]))
+else:
+    _, lengths = _document_ids()
+tokens = int(lengths.sum())
+q, k, v = (torch.randn(tokens, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32).cuda()
 with torch.no_grad():
     for _ in range(5):
@@ -25,7 +39,7 @@ kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key
 times = collections.defaultdict(list)
 for e in kernels:
     times["tiles" if e.name.endswith("_tiles") else ("forward" if "fwd_sm90" in e.name else e.name[:30])].append(e.device_time)
-print({n: (len(t), round(statistics.median(t), 2)) for n, t in times.items()})
+print(f"{len(lengths)} documents in {tokens} tokens:", {n: (len(t), round(statistics.median(t), 2)) for n, t in times.items()})
 starts = [(e.name.endswith("_tiles"), e.time_range.start, e.time_range.end) for e in kernels]
 # builder start -> forward start, forward end -> next builder start (us)
 after_tiles = [b[1] - a[1] for a, b in zip(starts, starts[1:]) if a[0] and not b[0]]
