@@ -54,14 +54,15 @@ def _beside(**fns) -> dict[str, float]:
     return times
 
 
-def _document_ids(seed: int = 0):
-    """16 documents of random lengths (at least 1) filling SEQLEN tokens, as (1, SEQLEN) int32 ids."""
+def _document_ids(seed: int = 0, documents: int = DOCUMENTS, tokens: int = SEQLEN):
+    """`documents` documents of random lengths (at least 1) filling `tokens` tokens (the bench's: 16 in
+    SEQLEN), as (1, tokens) int32 ids, and their lengths."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    cuts = torch.randperm(SEQLEN - 1, generator=gen)[:DOCUMENTS - 1].add(1).sort().values
-    lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([SEQLEN])]))
-    ids = torch.repeat_interleave(torch.arange(DOCUMENTS, dtype=torch.int32), lengths)
+    cuts = torch.randperm(tokens - 1, generator=gen)[:documents - 1].add(1).sort().values
+    lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([tokens])]))
+    ids = torch.repeat_interleave(torch.arange(documents, dtype=torch.int32), lengths)
     return ids[None], lengths
 
 

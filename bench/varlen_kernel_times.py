@@ -1,7 +1,7 @@
 """Per-kernel GPU time (torch.profiler / CUPTI) of packed documents, causal within each (d128, 16 heads,
 bf16): the tile builder against the forward kernel, and the gap from one kernel's start to the next one's,
-30 calls back to back. Default: `attngen bench --masks`'s 16 documents in 16384 tokens; `--documents N
---tokens T`: N documents of random lengths (at least 1) filling T tokens.
+30 calls back to back: N documents of random lengths (at least 1) filling T tokens, by default
+`attngen bench --masks`'s 16 in 16384.
 
     PYTHONPATH=. python bench/varlen_kernel_times.py [--documents N --tokens T]"""
 import argparse
@@ -12,19 +12,16 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import attngen
-from attngen.bench_masks import _document_ids
+from attngen.bench_masks import DOCUMENTS, SEQLEN, _document_ids
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--documents", type=int, default=0, help="random documents (default: the bench's 16)")
-parser.add_argument("--tokens", type=int, default=16384)
+parser.add_argument("--documents", type=int, default=DOCUMENTS, help="documents of random lengths (at least 1)")
+parser.add_argument("--tokens", type=int, default=SEQLEN, help="tokens they fill")
 args = parser.parse_args()
-if args.documents:
-    gen = torch.Generator().manual_seed(0)
-    cuts = torch.randperm(args.tokens - 1, generator=gen)[:args.documents - 1].add(1).sort().values
-    lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([args.tokens])]))
-else:
-    _, lengths = _document_ids()
-tokens = int(lengths.sum())
+if not 1 <= args.documents <= args.tokens:
+    parser.error(f"--documents {args.documents} with --tokens {args.tokens}: allowed 1 <= documents <= tokens")
+_, lengths = _document_ids(documents=args.documents, tokens=args.tokens)
+tokens = args.tokens
 q, k, v = (torch.randn(tokens, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32).cuda()
 with torch.no_grad():
