@@ -118,7 +118,32 @@ def summarise(name: str, trace: np.ndarray, ms: float) -> None:
                      f"per tile (clk): " + ", ".join(f"{k} {v / len(n):.0f}" for k, v in sums.items())
                      + f", gap {gap.mean() if len(gap) else 0:.0f}; fixed {fixed:.0f} clk = {fixed / steady:.2f} blocks"
                      + f"; K0 issued {k0_early.mean():.0f} clk before Q ready, ready {k0_load.mean():.0f} after issue")
+    lines.extend(lone_tiles(trace))
     print("\n".join(lines), flush=True)
+
+
+def lone_tiles(trace: np.ndarray) -> list[str]:
+    """Warpgroup 0's tiles with warpgroup 1 idle (its 64 rows past the sequence's end: no store of its own)
+    against those both run: clocks per steady block and per block of the whole round (tile start to next)."""
+    t0, t1 = trace[:, 0], trace[:, 1]
+    done0 = (t0[..., E["STORED"]] > 0) & (t0[..., E["KEY_BLOCKS"]] > 1)
+    alone = done0 & (t1[..., E["TILE_READY"]] > 0) & (t1[..., E["STORED"]] == 0)
+    paired = done0 & (t1[..., E["STORED"]] > 0)
+    nxt = np.zeros_like(done0)
+    nxt[:, :-1] = t0[:, 1:, E["TILE_WAIT"]] > 0
+    out = []
+    for label, sel in (("alone", alone), ("paired", paired)):
+        if not sel.any():
+            continue
+        n = t0[..., E["KEY_BLOCKS"]][sel].astype(np.float64)
+        steady = (t0[..., E["LAST_PV"]] - t0[..., E["FIRST_SOFTMAX"]])[sel].sum() / (n - 1).sum()
+        whole = sel & nxt
+        rounds = np.zeros_like(t0[..., 0])
+        rounds[:, :-1] = t0[:, 1:, E["TILE_WAIT"]] - t0[:, :-1, E["TILE_WAIT"]]
+        per_block = rounds[whole].sum() / t0[..., E["KEY_BLOCKS"]][whole].sum() if whole.any() else float("nan")
+        out.append(f"  wg0 {label}: {int(sel.sum())} tiles, {n.mean():.1f} blocks each, {steady:.0f} clk per steady "
+                   f"block, {per_block:.0f} clk per block of the round (tile start to the next's)")
+    return out
 
 
 def main(names: list[str]) -> None:
