@@ -970,7 +970,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const Params& p) {
     const u32 sDQ0 = sRows0 + NUM_STAGES * ROWS_BYTES;
     unsigned char* smem = smem_raw + (sK - base);  // generic address of sK
 
-    const int wg = threadIdx.x / WG_THREADS, warp = (threadIdx.x % WG_THREADS) / 32, lane = threadIdx.x % 32;
+    // At head dim 64 the warpgroup goes through a shuffle: ptxas then holds it, and the descriptors made from
+    // it, in uniform registers (from threadIdx alone, each wgmma moves them over from vector registers; 35 ->
+    // 12 R2UR in the loop, 4-8% faster at 8k). At 128, where the kernel sits at 255 registers, the same change
+    // measured 2-3% slower (docs/perf-notes.md "Every wgmma's Q descriptor in uniform registers").
+    const int wg = HEAD_DIM == 64 ? __shfl_sync(0xffffffffu, threadIdx.x / WG_THREADS, 0) : threadIdx.x / WG_THREADS;
+    const int warp = (threadIdx.x % WG_THREADS) / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     // Heads vary fastest, then key blocks: under a causal mask the first key blocks are seen by the
     // most query blocks, so every head's longest CTAs start first.

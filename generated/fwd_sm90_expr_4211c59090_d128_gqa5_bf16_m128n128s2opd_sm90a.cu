@@ -1587,7 +1587,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
         if (PRODUCER_WARP ? threadIdx.x < 32 : threadIdx.x == 0) produce(p, pipe, sQ, sK, sV, tiles);
     } else {
         if constexpr (SET_MAX_REGS) regs_alloc<CONSUMER_REGS>();
-        Consumer(p, pipe, sQ, sK, sV, wg - 1).run(tiles);
+        // The warpgroup through a shuffle: ptxas then holds it, and Q's wgmma descriptors made from it, in
+        // uniform registers (from threadIdx alone, each wgmma moved them over from vector registers: 16 R2UR a
+        // block at d128, 32 at d256). Not under CLUSTER, whose kernel measured 1.2% slower with it at ncu's
+        // locked clock (docs/perf-notes.md "Every wgmma's Q descriptor in uniform registers").
+        Consumer(p, pipe, sQ, sK, sV, CLUSTER > 1 ? wg - 1 : __shfl_sync(0xffffffffu, wg - 1, 0)).run(tiles);
     }
     // (CLUSTER: no barrier at exit; the producer's last waits keep this CTA until the other's releases.)
 }
