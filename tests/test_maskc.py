@@ -740,7 +740,11 @@ def test_emitted_cuda_is_printed_from_the_ir():
     assert "return 1;" in program.cuda_classify() and "p.doc[" in program.cuda_classify(
         lambda name, index: f"p.{name}[{']['.join(index)}]")
     softcap = compile_score_mod("softcap(30)").cuda_expr()
-    assert softcap == "(30.0f * maskc_tanhf((score / 30.0f)))"
+    # A constant divisor becomes a multiply by its float32 reciprocal (no IEEE division's slow path per
+    # element); a runtime divisor, or one whose reciprocal is not a normal float32, keeps the division.
+    assert softcap == "(30.0f * maskc_tanhf((score * 0.0333333351f)))"
+    assert compile_score_mod("score / (q_idx + 1)").cuda_expr().count(" / ") == 1
+    assert compile_score_mod("score / 1e38").cuda_expr() == "(score / 9.99999968e+37f)"
     assert "double" not in softcap and "tanh(" not in softcap
     assert compile_score_mod("score * 0.1").cuda_expr() == "(score * 0.100000001f)"
     assert compile_score_mod("score - 1e-50").cuda_expr() == "(score - 0.0f)"

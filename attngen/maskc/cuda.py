@@ -119,6 +119,29 @@ def float_literal(value: float) -> str:
     return f"{text}f" if not text.startswith("-") else f"({text}f)"
 
 
+def _float32_reciprocal(divisor: Node) -> float | None:
+    """1 / c correctly rounded to float32 for a constant divisor c whose reciprocal is a normal float32, else
+    None. x * (1 / c) is then two roundings, the error the fp32 model allows a division (dense.py
+    evaluation_error: 2 U32 relative), where `x / c` compiles to the IEEE division: a check and a called slow
+    path per element, ~7 instructions and a branch each (softcap's `score / c` was a fifth of its loop)."""
+    node = divisor.args[0] if isinstance(divisor, Op) and divisor.op == "to_float" else divisor
+    if not isinstance(node, Const) or node.type is Type.BOOL:
+        return None
+    try:
+        c = _float32(node.value)  # the literal as the kernel holds it (float_literal rounds it the same way)
+        # In double, then rounded to float32: the correctly rounded float32 quotient (53 >= 2 * 24 + 2 bits).
+        r = _float32(1.0 / c) if c != 0 and math.isfinite(c) else math.inf
+    except OverflowError:
+        return None
+    return r if math.isfinite(r) and abs(r) >= 2.0**-126 else None
+
+
+def _float32(value: float) -> float:
+    """The float32 nearest `value` (OverflowError beyond float32's range; no numpy here: `attngen generate`
+    imports neither numpy nor torch)."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
 # -- static ranges and integer widths -----------------------------------------------------------------
 
 # The kernel contract: the values the variables can take (docs/masks.md). Inputs are unknown.
@@ -269,6 +292,9 @@ class _PointEmitter:
             width = INT if all(self.fits(a) for a in args) else LONG
             return f"({self.int_code(args[0], width)} {_INFIX[op]} {self.int_code(args[1], width)})"
         code = [self.code(a) for a in args]
+        reciprocal = _float32_reciprocal(args[1]) if op == "truediv" else None
+        if reciprocal is not None:  # x / c as x * (1 / c): no IEEE division (a slow path and a call per element)
+            return f"({code[0]} * {float_literal(reciprocal)})"
         if op in _INFIX:
             return f"({code[0]} {_INFIX[op]} {code[1]})"
         if op in ("and", "or"):
