@@ -108,7 +108,7 @@ def int_literal(value: int) -> str:
 def float_literal(value: float) -> str:
     """The float32 value of a constant, printed so that C++ reads back exactly that float."""
     try:
-        rounded = struct.unpack("<f", struct.pack("<f", value))[0]  # the float32 nearest value
+        rounded = _float32(value)
     except OverflowError:
         raise ValueError(f"constant {value!r} does not fit in float32") from None
     if not math.isfinite(rounded):
@@ -128,7 +128,7 @@ def _float32_reciprocal(divisor: Node) -> float | None:
     if not isinstance(node, Const) or node.type is Type.BOOL:
         return None
     try:
-        c = _float32(node.value)  # the literal as the kernel holds it (float_literal rounds it the same way)
+        c = _float32(node.value)  # the literal as the kernel holds it (float_literal prints this value)
         # In double, then rounded to float32: the correctly rounded float32 quotient (53 >= 2 * 24 + 2 bits).
         r = _float32(1.0 / c) if c != 0 and math.isfinite(c) else math.inf
     except OverflowError:
