@@ -508,6 +508,10 @@ bwd_sm80_expr_49d10f34ac_d128_gqa1_bf16_m64n128w8s2_sm90a_mask_table(const __gri
 // per row that joins the softmax's denominator only (gpt-oss's learned attention sinks).
 namespace score {
 constexpr bool MODIFIED = false;
+// Whether the modifier reads runtime inputs: a kernel applies one that reads none to every score of a block
+// (each is finite, and masked or never stored after), and one that does only to in-bounds scores (an index
+// past the sequence, or a padding row's head, would read past its input).
+constexpr bool READS_INPUTS = false;
 
 // p: the kernel's argument struct, where runtime inputs live (attngen/runtime_inputs.py).
 template <class P>

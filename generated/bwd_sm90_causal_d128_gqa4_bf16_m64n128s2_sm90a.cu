@@ -470,6 +470,10 @@ __device__ __forceinline__ int2 row_keys(int q, int Sq, int Sk, int batch, int h
 // per row that joins the softmax's denominator only (gpt-oss's learned attention sinks).
 namespace score {
 constexpr bool MODIFIED = false;
+// Whether the modifier reads runtime inputs: a kernel applies one that reads none to every score of a block
+// (each is finite, and masked or never stored after), and one that does only to in-bounds scores (an index
+// past the sequence, or a padding row's head, would read past its input).
+constexpr bool READS_INPUTS = false;
 
 // p: the kernel's argument struct, where runtime inputs live (attngen/runtime_inputs.py).
 template <class P>

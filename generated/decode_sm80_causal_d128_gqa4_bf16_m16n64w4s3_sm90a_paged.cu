@@ -439,6 +439,10 @@ __device__ __forceinline__ int2 row_keys(int q, int Sq, int Sk, int batch, int h
 // per row that joins the softmax's denominator only (gpt-oss's learned attention sinks).
 namespace score {
 constexpr bool MODIFIED = false;
+// Whether the modifier reads runtime inputs: a kernel applies one that reads none to every score of a block
+// (each is finite, and masked or never stored after), and one that does only to in-bounds scores (an index
+// past the sequence, or a padding row's head, would read past its input).
+constexpr bool READS_INPUTS = false;
 
 // p: the kernel's argument struct, where runtime inputs live (attngen/runtime_inputs.py).
 template <class P>
@@ -1153,7 +1157,7 @@ __device__ __forceinline__ void flash_decode(const P& p) {
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
                         const int h = i / 2, k = kw0 + nt * 8 + 2 * t + (i % 2);
-                        if (row_real[mt][h] && k < Sk)  // in bounds for the modifier's runtime inputs
+                        if (!score::READS_INPUTS || (row_real[mt][h] && k < Sk))  // in bounds for its inputs
                             s_acc[mt][nt][i] = score::modify(s_acc[mt][nt][i] * p.scale, row_token[mt][h], k, Sq, Sk,
                                                              batch, row_head[mt][h], p);
                     }

@@ -281,6 +281,10 @@ __device__ __forceinline__ int2 row_keys(int q, int Sq, int Sk, int batch, int h
 // per row that joins the softmax's denominator only (gpt-oss's learned attention sinks).
 namespace score {
 constexpr bool MODIFIED = false;
+// Whether the modifier reads runtime inputs: a kernel applies one that reads none to every score of a block
+// (each is finite, and masked or never stored after), and one that does only to in-bounds scores (an index
+// past the sequence, or a padding row's head, would read past its input).
+constexpr bool READS_INPUTS = false;
 
 // p: the kernel's argument struct, where runtime inputs live (attngen/runtime_inputs.py).
 template <class P>
@@ -587,7 +591,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
-                            if (q < Sq && k < Sk)  // in bounds for the modifier's runtime inputs
+                            if (!score::READS_INPUTS || (q < Sq && k < Sk))  // in bounds for its inputs
                                 s_acc[mt][nt][i] = score::modify(s_acc[mt][nt][i] * p.scale, q, k, Sq, Sk, batch, head, p);
                         }
             }

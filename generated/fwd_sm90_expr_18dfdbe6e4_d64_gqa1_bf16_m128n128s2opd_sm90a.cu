@@ -584,6 +584,10 @@ fwd_sm90_expr_18dfdbe6e4_d64_gqa1_bf16_m128n128s2opd_sm90a_mask_table(const __gr
 // per row that joins the softmax's denominator only (gpt-oss's learned attention sinks).
 namespace score {
 constexpr bool MODIFIED = false;
+// Whether the modifier reads runtime inputs: a kernel applies one that reads none to every score of a block
+// (each is finite, and masked or never stored after), and one that does only to in-bounds scores (an index
+// past the sequence, or a padding row's head, would read past its input).
+constexpr bool READS_INPUTS = false;
 
 // p: the kernel's argument struct, where runtime inputs live (attngen/runtime_inputs.py).
 template <class P>
@@ -1107,7 +1111,7 @@ __device__ __forceinline__ void prepare_scores(float (&s)[S_REGS], int row0, con
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) {
             const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
-            if (q < sq && k < sk)  // in bounds for the modifier's runtime inputs
+            if (!score::READS_INPUTS || (q < sq && k < sk))  // in bounds for the modifier's runtime inputs
                 s[i] = score::modify(s[i] * p.scale, q, k, sq, sk, tile.batch, tile.head, p);
         }
     }

@@ -644,6 +644,10 @@ __host__ __device__ __forceinline__ float maskc_tanhf(float x) {
 
 namespace score {
 constexpr bool MODIFIED = true;
+// Whether the modifier reads runtime inputs: a kernel applies one that reads none to every score of a block
+// (each is finite, and masked or never stored after), and one that does only to in-bounds scores (an index
+// past the sequence, or a padding row's head, would read past its input).
+constexpr bool READS_INPUTS = true;
 
 // p: the kernel's argument struct, where runtime inputs live (attngen/runtime_inputs.py).
 template <class P>
@@ -1167,7 +1171,7 @@ __device__ __forceinline__ void prepare_scores(float (&s)[S_REGS], int row0, con
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) {
             const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
-            if (q < sq && k < sk)  // in bounds for the modifier's runtime inputs
+            if (!score::READS_INPUTS || (q < sq && k < sk))  // in bounds for the modifier's runtime inputs
                 s[i] = score::modify(s[i] * p.scale, q, k, sq, sk, tile.batch, tile.head, p);
         }
     }

@@ -666,7 +666,7 @@ __device__ __forceinline__ void flash_decode(const P& p) {
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
                         const int h = i / 2, k = kw0 + nt * 8 + 2 * t + (i % 2);
-                        if (row_real[mt][h] && k < Sk)  // in bounds for the modifier's runtime inputs
+                        if (!score::READS_INPUTS || (row_real[mt][h] && k < Sk))  // in bounds for its inputs
                             s_acc[mt][nt][i] = score::modify(s_acc[mt][nt][i] * p.scale, row_token[mt][h], k, Sq, Sk,
                                                              batch, row_head[mt][h], p);
                     }

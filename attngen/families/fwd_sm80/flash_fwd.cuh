@@ -258,7 +258,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
-                            if (q < Sq && k < Sk)  // in bounds for the modifier's runtime inputs
+                            if (!score::READS_INPUTS || (q < Sq && k < Sk))  // in bounds for its inputs
                                 s_acc[mt][nt][i] = score::modify(s_acc[mt][nt][i] * p.scale, q, k, Sq, Sk, batch, head, p);
                         }
             }

@@ -42,7 +42,7 @@ __device__ __forceinline__ void prepare_scores(float (&s)[S_REGS], int row0, con
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) {
             const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
-            if (q < sq && k < sk)  // in bounds for the modifier's runtime inputs
+            if (!score::READS_INPUTS || (q < sq && k < sk))  // in bounds for the modifier's runtime inputs
                 s[i] = score::modify(s[i] * p.scale, q, k, sq, sk, tile.batch, tile.head, p);
         }
     }
