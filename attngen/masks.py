@@ -13,9 +13,10 @@ combination with and/or/not. Its lowering holds:
                    table kernel runs it for a mask without a closed form, once per (query block,
                    key block) each call, so empty blocks are never loaded and full ones never
                    masked per element (attngen/mask_table.py)
-  closed           for `none`, `causal`, `sliding_window(l, r)` and `chunked(n)` alone: the same
-                   bounds in closed form over the query rows [m0, m1) (no scan); tests hold them
-                   to the generic scan
+  closed           for `none`, `causal`, `sliding_window(l, r)`, `chunked(n)` and their conjunctions,
+                   and for bands written out as expressions (`q_idx >= kv_idx`, attngen/maskc/bands.py):
+                   the same bounds in closed form over the query rows [m0, m1) (no scan); tests hold
+                   them to the generic scan and to the dense mask
   dense_visible    the same predicate for the reference, on broadcastable torch tensors
 
 The kernel and the reference read one compiled expression, so they cannot drift apart.
@@ -116,6 +117,38 @@ def closed_form(canonical: str, builtin: tuple | None) -> ClosedForm | None:
     return None
 
 
+def band_form(program) -> ClosedForm | None:
+    """The closed form of a mask that is a band (attngen/maskc/bands.py), else None: row q sees
+    [lo(q), hi(q)), lo the max of the lower bounds, hi the min of the upper ones, both never
+    decreasing in q; so rows [m0, m1) see [lo(m0), hi(m1 - 1)) together and [lo(m1 - 1), hi(m0)) each."""
+    from attngen.maskc.bands import band
+
+    found = band(program.ir)
+    if found is None:
+        return None
+
+    def cuda_side(bounds, pick: str, empty: str, row: str) -> str:
+        code = empty if not bounds else bounds[0].cuda(row)
+        for b in bounds[1:]:
+            code = f"{pick}({code}, {b.cuda(row)})"
+        return f"(int)maskc_max(0LL, maskc_min((long long)Sk, {code}))"
+
+    def lo(row: str) -> str:
+        return cuda_side(found.lower, "maskc_max", "0LL", row)
+
+    def hi(row: str) -> str:
+        return cuda_side(found.upper, "maskc_min", "(long long)Sk", row)
+
+    def python(m0, m1, Sq, Sk):
+        def lo_at(q):
+            return _clamp(max((b.at(q, Sq, Sk) for b in found.lower), default=0), Sk)
+
+        def hi_at(q):
+            return _clamp(min((b.at(q, Sq, Sk) for b in found.upper), default=Sk), Sk)
+        return lo_at(m0), hi_at(m1 - 1), lo_at(m1 - 1), hi_at(m0)
+    return ClosedForm((lo("m0"), hi("m1 - 1"), lo("m1 - 1"), hi("m0")), python)
+
+
 def _conjunction(forms: list[ClosedForm]) -> ClosedForm:
     """A and B: the keys some row may see lie in both spans (sound); the keys every row sees are
     those every row sees in both (exact)."""
@@ -141,7 +174,7 @@ class MaskLowering:
     visible: str
     classify: str  # reads input ranges through span_<name> (attngen/mask_table.py)
     preamble: str
-    closed: ClosedForm | None  # bounds in closed form (no scan), for the built-ins that have one
+    closed: ClosedForm | None  # bounds in closed form (no scan): built-ins and bands
     program: Any  # the compiled attngen.maskc program
 
     def dense_visible(self, q_idx, kv_idx, Sq: int, Sk: int, b=0, h=0, inputs=None):
@@ -220,7 +253,7 @@ def _lower(text: str) -> MaskLowering:
         program = maskc.compile_mask(canonical)  # every spelling lowers from the stored text: one kernel
     except maskc.ExprError as exc:
         raise ValueError(f"mask={show(text)} is invalid: {exc}; allowed: {ALLOWED}") from None
-    closed = closed_form(canonical, parse(canonical, "mask").builtin)
+    closed = closed_form(canonical, parse(canonical, "mask").builtin) or band_form(program)
     # Runtime inputs are read from the kernel's argument struct p (attngen/runtime_inputs.py).
     return MaskLowering(canonical, program.slug, program.cuda_visible(input_ref),
                         program.cuda_classify(input_ref, span_ref), maskc.cuda_preamble(), closed, program)

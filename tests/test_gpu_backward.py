@@ -111,7 +111,8 @@ def test_dtypes_and_head_dims_match_the_reference(dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype, head_dim", [("bf16", 128), ("fp16", 64)])
-@pytest.mark.parametrize("mask", ["none", "causal", "sliding_window(64, 0)", DOC_MASK])
+@pytest.mark.parametrize("mask", ["none", "causal", "sliding_window(64, 0)", DOC_MASK,
+                                  "q_idx - kv_idx < 100 and kv_idx <= q_idx"])  # a band written out
 def test_masks_match_the_reference(dtype, head_dim, mask):
     B, S = 2, 300
     q, k, v, dout = _tensors(B, S, S, 8, 2, head_dim, dtype, seed=7)

@@ -143,6 +143,7 @@ CASES = [
     ("causal", "score - slope[h] * abs(q_idx + (kv_len - q_len) - kv_idx)", None, 128, 4, 2),
     ("causal", None, "sinks[h]", 128, 8, 1),
     ("none", None, None, 128, 16, 16),
+    ("kv_idx > q_idx + kv_len - q_len - 200 and kv_idx <= q_idx + (kv_len - q_len)", None, None, 128, 4, 3),  # a band
 ]
 
 

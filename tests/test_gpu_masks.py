@@ -16,7 +16,9 @@ from attngen.spec import AttentionSpec
 pytestmark = pytest.mark.gpu
 
 MASKS = masks.EXAMPLES + ("sliding_window(0, 0)", "sliding_window(37, 11)", "chunked(100) and causal",
-                          "(q_idx + 2 * kv_idx) % 7 != 3 or h == 1 or b == 1", "not causal")
+                          "(q_idx + 2 * kv_idx) % 7 != 3 or h == 1 or b == 1", "not causal",
+                          # bands written out (closed forms from attngen/maskc/bands.py)
+                          "q_idx >= kv_idx", "0 <= q_idx + kv_len - q_len - kv_idx < 150 and kv_idx >= 20")
 
 
 def _inputs(B, Sq, Sk, Hkv, ratio, D, seed):

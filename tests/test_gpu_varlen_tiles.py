@@ -22,6 +22,9 @@ CASES = [  # (lengths_q, lengths_k, Hq, Hkv, D, dtype, mask, score_mod, sink)
     ([1000, 77, 513], [1000, 77, 600], 4, 2, 256, "bf16", "causal", None, None),
     ([190, 450, 2], [190, 450, 2], 6, 3, 96, "fp16", "chunked(64) and causal", None, None),
     ([129, 128, 127, 1], [1, 128, 300, 1], 2, 1, 128, "fp16", "causal", None, None),
+    # a band written out (attngen/maskc/bands.py): q_len and kv_len are each sequence's
+    ([300, 1, 130], [300, 50, 200], 4, 2, 128, "bf16",
+     "kv_idx <= q_idx + kv_len - q_len and kv_idx > q_idx + kv_len - q_len - 64 and kv_idx >= 5", None, None),
 ]
 
 

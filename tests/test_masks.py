@@ -81,6 +81,11 @@ CLOSED_FORMS_AND_CONJUNCTIONS = CLOSED_FORM_MASKS | st.sampled_from(CONJUNCTIONS
 def test_closed_forms_of_one_row_are_exactly_its_visible_keys(text, Sq, Sk):
     """mask.cuh.j2 ROW_INTERVAL: a kernel masks an element of row q by [kv_begin, kv_end) of
     bounds(q, q + 1) alone, so every row's visible keys must be exactly that interval."""
+    assert_rows_are_their_intervals(text, Sq, Sk)
+
+
+def assert_rows_are_their_intervals(text: str, Sq: int, Sk: int) -> torch.Tensor:
+    """Every row's visible keys are exactly [kv_begin, kv_end) of the closed form over that row; the dense mask."""
     mask = masks.get_mask(text)
     assert mask.closed is not None, text
     dense = _dense(mask, Sq, Sk)
@@ -89,6 +94,7 @@ def test_closed_forms_of_one_row_are_exactly_its_visible_keys(text, Sq, Sk):
         kv_begin, kv_end, _, _ = mask.closed_bounds(q, q + 1, Sq, Sk)
         interval = (keys >= kv_begin) & (keys < kv_end)
         assert torch.equal(dense[q], interval), f"{text}: row {q} of ({Sq}, {Sk}) is not [{kv_begin}, {kv_end})"
+    return dense
 
 
 def test_only_closed_forms_mask_by_row_intervals():

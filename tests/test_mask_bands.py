@@ -1,0 +1,151 @@
+"""Band masks (attngen/maskc/bands.py) on the CPU: which expressions are bands; their closed forms held to
+the dense mask row by row (what ROW_INTERVAL masking needs) and over blocks of rows (sound, and the keys every row
+sees exact); the emitted C++ bounds held to the Python ones (nvcc, run on the CPU, lengths up to 2^31 - 1); and
+what a band's kernel is: the built-ins' closed-form path, no block table."""
+
+from __future__ import annotations
+
+import difflib
+import random
+import re
+import subprocess
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_masks import assert_rows_are_their_intervals
+
+from attngen import families, mask_table, masks, targets
+from attngen.build.nvcc import find_nvcc
+from attngen.maskc import compile_mask, cuda_preamble
+from attngen.maskc.bands import band
+from attngen.spec import AttentionSpec
+
+BANDS = ["q_idx >= kv_idx", "kv_idx <= q_idx", "not (kv_idx > q_idx)", "q_idx - kv_idx < 4096 and kv_idx <= q_idx",
+         "0 <= q_idx - kv_idx < 4", "kv_idx < 10", "kv_idx >= 7", "kv_idx == q_idx", "kv_idx - 3 == q_idx",
+         "kv_idx >= q_idx + kv_len - q_len", "kv_idx + q_len <= q_idx + kv_len", "-kv_idx > -q_idx - 5",
+         "2 * (kv_idx - q_idx) + 3 < kv_idx - q_idx + 10", "kv_idx < 3 * kv_len - 2 * q_len - 40",
+         "kv_idx <= q_idx and kv_idx >= q_idx - 5 and kv_idx < 40 and kv_idx > 2"]
+NOT_BANDS = ["2 * kv_idx < q_idx", "kv_idx != q_idx", "q_idx + kv_idx < 10", "kv_idx < q_idx or kv_idx > 3",
+             "kv_idx * q_idx < 5", "h == 1 and kv_idx < q_idx", "kv_idx < lim", "q_idx < 5", "kv_idx % 3 != 1",
+             "kv_idx < b + 3", "abs(q_idx - kv_idx) < 5", "kv_idx < q_len // 2", "kv_idx <= q_idx and q_idx > 3",
+             "kv_idx < 2199023255552"]  # a constant past bands.MAX_CONSTANT
+
+_OPS = ("<", "<=", ">", ">=", "==")
+_SWAPPED = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "=="}
+
+
+@st.composite
+def band_texts(draw) -> str:
+    """1 to 3 comparisons of kv_idx with q_idx (or nothing), the lengths and a constant, spelt in random ways."""
+    terms = []
+    for _ in range(draw(st.integers(1, 3))):
+        op = draw(st.sampled_from(_OPS))
+        x = draw(st.sampled_from(("q_idx + ", "", "q_idx - ")))  # "q_idx - " goes to the kv side below
+        lengths = draw(st.sampled_from(("", "kv_len - q_len + ", "q_len - kv_len + ", "2 * kv_len - 2 * q_len + ")))
+        c = draw(st.integers(-60, 60))
+        kv = "kv_idx - q_idx" if x == "q_idx - " else "kv_idx"
+        right = f"{'q_idx + ' if x == 'q_idx + ' else ''}{lengths}{c}"
+        term = f"{kv} {op} {right}" if draw(st.booleans()) else f"{right} {_SWAPPED[op]} {kv}"
+        terms.append(f"not ({term})" if op != "==" and draw(st.integers(0, 3)) == 0 else term)
+    return " and ".join(terms)
+
+
+@pytest.mark.parametrize("text", BANDS)
+def test_bands_have_closed_forms(text):
+    assert band(compile_mask(text).ir) is not None and masks.get_mask(text).closed is not None
+
+
+@pytest.mark.parametrize("text", NOT_BANDS)
+def test_other_masks_are_not_bands(text):
+    assert band(compile_mask(text).ir) is None and masks.get_mask(text).closed is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(BANDS) | band_texts(), st.integers(1, 90), st.integers(1, 90), st.integers(1, 40), st.data())
+def test_band_bounds_are_exact_per_row_and_sound_per_block(text, Sq, Sk, block_m, data):
+    """Every row sees exactly [kv_begin, kv_end) of bounds(q, q + 1) (mask.cuh.j2 ROW_INTERVAL); rows [m0, m1)
+    see nothing outside [kv_begin, kv_end), and [full_begin, full_end) is exactly the keys all of them see."""
+    mask = masks.get_mask(text)
+    dense = assert_rows_are_their_intervals(text, Sq, Sk)
+    keys = torch.arange(Sk)
+    m0 = data.draw(st.integers(0, Sq - 1))
+    m1 = min(Sq, m0 + block_m)
+    kv_begin, kv_end, full_begin, full_end = mask.closed_bounds(m0, m1, Sq, Sk)
+    rows = dense[m0:m1]
+    outside = (keys < kv_begin) | (keys >= kv_end)
+    assert not rows[:, outside].any(), (text, Sq, Sk, m0, m1)
+    assert torch.equal(rows.all(dim=0), (keys >= full_begin) & (keys < full_end)), (text, Sq, Sk, m0, m1)
+
+
+def test_a_band_spelling_of_causal_has_causals_bounds():
+    ours, causal = masks.get_mask("q_idx >= kv_idx"), masks.get_mask("causal")
+    for m0, m1, S in ((0, 128, 16384), (128, 256, 16384), (16256, 16384, 16384), (0, 1, 1), (5, 77, 300)):
+        assert ours.closed_bounds(m0, m1, S, S) == causal.closed_bounds(m0, m1, S, S)
+
+
+def _rendered(text: str) -> tuple[str, object]:
+    spec = AttentionSpec(head_dim=128, dtype="bf16", mask=text, family="fwd_sm90")
+    target = targets.target("sm_90a")
+    plan = families.plan_spec(spec, target)
+    return families.get_family("fwd_sm90").render(plan), plan
+
+
+def test_a_band_compiles_to_the_built_in_causal_kernel_but_for_its_predicate():
+    """`mask: "q_idx >= kv_idx"` must run as the built-in causal (issue 10's 3% bar): same schedule, closed-form
+    bounds, row-interval masking and no block table; its source differs only in names, comments, the element
+    predicate's expression and the bounds' expressions."""
+    ours, ours_plan = _rendered("q_idx >= kv_idx")
+    causal, causal_plan = _rendered("causal")
+    assert mask_table.for_problem(AttentionSpec(head_dim=128, mask="q_idx >= kv_idx").problem) is None
+    assert "constexpr bool ROW_INTERVAL = true;" in ours and "_mask_table(" not in ours
+    assert ours_plan.config == causal_plan.config
+    ours, causal = (src.replace(plan.name, "NAME").splitlines() for src, plan in ((ours, ours_plan),
+                                                                                  (causal, causal_plan)))
+    changed = [line for line in difflib.unified_diff(causal, ours, lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    allowed = re.compile(r"^[+-]\s*(//.*|return .*;)$")
+    assert changed and all(allowed.match(line) for line in changed), "\n".join(changed)
+
+
+# Lengths and rows for the C++ check: small, random, and near int32's end (the bounds are 64-bit inside).
+def _cases(r: random.Random) -> list[tuple[int, int, int, int]]:
+    out = []
+    for _ in range(60):
+        big = r.random() < 0.3
+        Sq, Sk = ((r.randint(2**31 - 300, 2**31 - 1), r.randint(2**31 - 300, 2**31 - 1)) if big
+                  else (r.randint(1, 500), r.randint(1, 500)))
+        m0 = r.randint(0, Sq - 1)
+        out.append((m0, min(Sq, m0 + r.randint(1, 200)), Sq, Sk))
+    return out
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found (PATH or $CUDA_HOME/bin)")
+def test_emitted_bounds_match_the_python_ones(tmp_path):
+    r = random.Random(0)
+    texts = BANDS + [
+        "kv_idx >= q_idx - 1000 and kv_idx < q_idx + kv_len - q_len + 7", "kv_idx == q_idx + kv_len - q_len"]
+    cases = _cases(r)
+    functions, calls = [], []
+    for i, text in enumerate(texts):
+        closed = masks.get_mask(text).closed
+        functions.append(f"static void bounds_{i}(int m0, int m1, int Sq, int Sk, int* out) {{\n"
+                         f"    const int v[4] = {{{', '.join(closed.cuda)}}};\n"
+                         "    for (int j = 0; j < 4; ++j) out[j] = v[j];\n}\n")
+        calls.append(f"    for (int c = 0; c < {len(cases)}; ++c) {{ bounds_{i}(C[c][0], C[c][1], C[c][2], C[c][3], out);"
+                     f' printf("%d %d %d %d\\n", out[0], out[1], out[2], out[3]); }}')
+    rows = ", ".join("{" + ", ".join(map(str, c)) + "}" for c in cases)
+    source = (f"#include <cstdio>\n{cuda_preamble()}\n" + "".join(functions)
+              + f"static const int C[{len(cases)}][4] = {{{rows}}};\nint main() {{\n    int out[4];\n"
+              + "\n".join(calls) + "\n    return 0;\n}\n")
+    path, binary = tmp_path / "bounds.cu", tmp_path / "bounds"
+    path.write_text(source)
+    build = subprocess.run([find_nvcc(), "-std=c++17", "-o", str(binary), str(path)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    printed = subprocess.run([str(binary)], capture_output=True, text=True, check=True, timeout=60).stdout.split("\n")
+    for i, text in enumerate(texts):
+        mask = masks.get_mask(text)
+        for j, case in enumerate(cases):
+            expected = " ".join(map(str, mask.closed_bounds(*case)))
+            assert printed[i * len(cases) + j] == expected, (text, case)
