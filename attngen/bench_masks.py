@@ -1,8 +1,11 @@
 """The mask compiler's benchmark (issue: masks and score modifiers), one row per case, peers in the
 same process: d128, 16 heads, bf16, one 16384-token sequence.
 
-  causal_expr   mask "q_idx >= kv_idx" (an expression, classified by the generic scan) against
-                the built-in causal (closed-form bounds): the generic path's cost
+  causal_expr   mask "q_idx >= kv_idx" (an expression: a band, attngen/maskc/bands.py) against
+                the built-in causal: what spelling a mask out costs
+  cp_shard      a context-parallel shard: the last CP_SHARD query rows against all 16384 keys under
+                "kv_idx + kv_offset <= q_idx + q_offset" (offsets as scalar inputs), against the
+                built-in causal on the same shard (bottom-right aligned: the same visible pairs)
   window_4096   sliding_window(4095, 0): time against (work fraction x the built-in causal's
                 time), and FlexAttention with the same window as a block mask
   documents     16 random-length documents, causal within each, as a runtime input of ids:
@@ -36,6 +39,8 @@ HEADS = 16
 HEAD_DIM = 128
 WINDOW = 4096
 DOCUMENTS = 16
+CP_SHARD = 4096
+CP_MASK = "kv_idx + kv_offset <= q_idx + q_offset"
 
 
 def _time_ms(fn, repeats: int = 20) -> float:
@@ -89,6 +94,14 @@ def run_mask_bench(out_dir: Path) -> dict:
         causal_ms = t["causal"]
         results["causal_expr"] = {"causal_ms": causal_ms, "expression_ms": t["expression"],
                                   "ratio": t["expression"] / causal_ms}
+
+        shard = q[:, SEQLEN - CP_SHARD:]
+        offsets = {"q_offset": torch.tensor(SEQLEN - CP_SHARD, dtype=torch.int32, device="cuda"),
+                   "kv_offset": torch.tensor(0, dtype=torch.int32, device="cuda")}
+        t = _beside(offsets=lambda: attngen.attention(shard, k, v, mask=CP_MASK, inputs=offsets),
+                    causal=lambda: attngen.attention(shard, k, v, mask="causal"))
+        results["cp_shard"] = {"rows": CP_SHARD, "offsets_ms": t["offsets"], "causal_ms": t["causal"],
+                               "ratio": t["offsets"] / t["causal"]}
 
         window_pairs = sum(min(i + 1, WINDOW) for i in range(SEQLEN))
         window_mask = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < WINDOW), None, None, SEQLEN,

@@ -42,8 +42,9 @@ EXAMPLES = ("none", "causal", "sliding_window(128, 0)", "chunked(64)", "prefix_l
 class ClosedForm:
     """Bounds over the query rows [m0, m1) in closed form: C++ for the kernel, Python for the model."""
 
-    cuda: tuple[str, str, str, str]  # kv_begin, kv_end, full_begin, full_end over (m0, m1, Sq, Sk)
-    python: Callable[[int, int, int, int], tuple[int, int, int, int]]
+    cuda: tuple[str, str, str, str]  # kv_begin, kv_end, full_begin, full_end over (m0, m1, Sq, Sk) and p's inputs
+    python: Callable[..., tuple[int, int, int, int]]  # (m0, m1, Sq, Sk), and inputs= where reads_inputs
+    reads_inputs: bool = False  # a band with scalar inputs (q_offset): python takes their values as inputs=
 
 
 # Bottom-right aligned causal (FlashAttention's convention): query q sees keys k <= q + (Sk - Sq).
@@ -117,10 +118,12 @@ def closed_form(canonical: str, builtin: tuple | None) -> ClosedForm | None:
     return None
 
 
-def band_form(program) -> ClosedForm | None:
+def band_form(program, input_ref) -> ClosedForm | None:
     """The closed form of a mask that is a band (attngen/maskc/bands.py), else None: row q sees
     [lo(q), hi(q)), lo the max of the lower bounds, hi the min of the upper ones, both never
-    decreasing in q; so rows [m0, m1) see [lo(m0), hi(m1 - 1)) together and [lo(m1 - 1), hi(m0)) each."""
+    decreasing in q; so rows [m0, m1) see [lo(m0), hi(m1 - 1)) together and [lo(m1 - 1), hi(m0)) each.
+    Scalar inputs are read through input_ref in C++, and from inputs= in Python (0 where not given: the
+    tile model's stand-in)."""
     from attngen.maskc.bands import band
 
     found = band(program.ir)
@@ -128,9 +131,9 @@ def band_form(program) -> ClosedForm | None:
         return None
 
     def cuda_side(bounds, pick: str, empty: str, row: str) -> str:
-        code = empty if not bounds else bounds[0].cuda(row)
+        code = empty if not bounds else bounds[0].cuda(row, input_ref)
         for b in bounds[1:]:
-            code = f"{pick}({code}, {b.cuda(row)})"
+            code = f"{pick}({code}, {b.cuda(row, input_ref)})"
         return f"(int)maskc_max(0LL, maskc_min((long long)Sk, {code}))"
 
     def lo(row: str) -> str:
@@ -139,14 +142,15 @@ def band_form(program) -> ClosedForm | None:
     def hi(row: str) -> str:
         return cuda_side(found.upper, "maskc_min", "(long long)Sk", row)
 
-    def python(m0, m1, Sq, Sk):
+    def python(m0, m1, Sq, Sk, inputs=None):
         def lo_at(q):
-            return _clamp(max((b.at(q, Sq, Sk) for b in found.lower), default=0), Sk)
+            return _clamp(max((b.at(q, Sq, Sk, inputs) for b in found.lower), default=0), Sk)
 
         def hi_at(q):
-            return _clamp(min((b.at(q, Sq, Sk) for b in found.upper), default=Sk), Sk)
+            return _clamp(min((b.at(q, Sq, Sk, inputs) for b in found.upper), default=Sk), Sk)
         return lo_at(m0), hi_at(m1 - 1), lo_at(m1 - 1), hi_at(m0)
-    return ClosedForm((lo("m0"), hi("m1 - 1"), lo("m1 - 1"), hi("m0")), python)
+    reads = any(b.inputs for b in (*found.lower, *found.upper))
+    return ClosedForm((lo("m0"), hi("m1 - 1"), lo("m1 - 1"), hi("m0")), python, reads)
 
 
 def _conjunction(forms: list[ClosedForm]) -> ClosedForm:
@@ -183,7 +187,9 @@ class MaskLowering:
         return self.program.dense(q_idx, kv_idx, Sq, Sk, b=b, h=h, inputs=inputs)
 
 
-    def closed_bounds(self, m0: int, m1: int, Sq: int, Sk: int) -> tuple[int, int, int, int]:
+    def closed_bounds(self, m0: int, m1: int, Sq: int, Sk: int, inputs: dict | None = None) -> tuple[int, int, int, int]:
+        if self.closed.reads_inputs:
+            return self.closed.python(m0, m1, Sq, Sk, inputs=inputs)
         return self.closed.python(m0, m1, Sq, Sk)
 
     def bounds(self, m0: int, m1: int, Sq: int, Sk: int, block_n: int, b: int = 0,
@@ -191,7 +197,7 @@ class MaskLowering:
         """(kv_begin, kv_end, full_begin, full_end) for query rows [m0, m1), as the kernel computes them
         (with the call's runtime inputs and the block table's granule: as its table holds them)."""
         if self.closed is not None:
-            return self.closed_bounds(m0, m1, Sq, Sk)
+            return self.closed_bounds(m0, m1, Sq, Sk, inputs)
         return scan_bounds(lambda n0, n1: self.program.classify(m0, m1 - 1, n0, n1 - 1, Sq, Sk, b=b, h=h,
                                                                 inputs=inputs, granule=granule), Sk, block_n)
 
@@ -253,7 +259,7 @@ def _lower(text: str) -> MaskLowering:
         program = maskc.compile_mask(canonical)  # every spelling lowers from the stored text: one kernel
     except maskc.ExprError as exc:
         raise ValueError(f"mask={show(text)} is invalid: {exc}; allowed: {ALLOWED}") from None
-    closed = closed_form(canonical, parse(canonical, "mask").builtin) or band_form(program)
+    closed = closed_form(canonical, parse(canonical, "mask").builtin) or band_form(program, input_ref)
     # Runtime inputs are read from the kernel's argument struct p (attngen/runtime_inputs.py).
     return MaskLowering(canonical, program.slug, program.cuda_visible(input_ref),
                         program.cuda_classify(input_ref, span_ref), maskc.cuda_preamble(), closed, program)

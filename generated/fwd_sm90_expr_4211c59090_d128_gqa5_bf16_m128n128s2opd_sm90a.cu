@@ -398,7 +398,8 @@ __device__ __forceinline__ bool shown_in_bounds(int q, int k, int Sq, int Sk, in
 
 // Closed forms of the bounds (attngen/masks.py; tests hold them to the scan of masks.scan_bounds).
 template <class P>
-__device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P&) {
+__device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P& p) {
+    (void)p;  // a band's scalar inputs (attngen/maskc/bands.py) are read here
     return {max(0, (int)maskc_max(0LL, maskc_min((long long)Sk, maskc_floordiv((long long)m0 + ((long long)Sk - Sq), 8192LL) * 8192LL))), min(min(Sk, max(0, m1 + (Sk - Sq))), (int)maskc_max(0LL, maskc_min((long long)Sk, (maskc_floordiv((long long)m1 - 1 + ((long long)Sk - Sq), 8192LL) + 1) * 8192LL))), max(0, (int)maskc_max(0LL, maskc_min((long long)Sk, maskc_floordiv((long long)m0 + ((long long)Sk - Sq), 8192LL) * 8192LL))), min(min(Sk, max(0, m0 + 1 + (Sk - Sq))), (int)maskc_max(0LL, maskc_min((long long)Sk, (maskc_floordiv((long long)m0 + ((long long)Sk - Sq), 8192LL) == maskc_floordiv((long long)m1 - 1 + ((long long)Sk - Sq), 8192LL) ? maskc_floordiv((long long)m0 + ((long long)Sk - Sq), 8192LL) + 1 : maskc_floordiv((long long)m0 + ((long long)Sk - Sq), 8192LL)) * 8192LL)))};
 }
 

@@ -191,3 +191,21 @@ def test_sinks_match_the_reference_with_rows_that_see_no_key(gpu_family):
     out, lse = run_checked(spec, q, k, v, inputs)
     assert torch.equal(out[:, :100], torch.zeros_like(out[:, :100]))
     assert torch.allclose(lse[:, :, :100], inputs["sinks"][None, :, None].expand(B, 4, 100))
+
+
+@pytest.mark.parametrize("mask", ["kv_idx + kv_offset <= q_idx + q_offset",
+                                  "kv_idx + kv_offset <= q_idx + q_offset and q_idx + q_offset - kv_idx - kv_offset < 200"])
+def test_context_parallel_offsets_match_the_reference(gpu_family, mask):
+    """A shard of queries against global key positions: the offsets are scalar inputs the closed-form bounds read
+    (a band, attngen/maskc/bands.py). Shards before, across and after the keys, the same kernel for each (new
+    offsets recompile nothing); a shard that sees no key gives 0 and -inf."""
+    import torch
+
+    spec = AttentionSpec(head_dim=64, mask=mask, gqa_ratio=2, family=gpu_family)
+    q, k, v = _inputs(2, 200, 700, 2, 2, 64, seed=29)
+    for q_offset, kv_offset in ((500, 0), (0, 0), (1000, 100), (-300, 0), (350, -50)):
+        inputs = {"q_offset": torch.tensor(q_offset, dtype=torch.int32, device="cuda"),
+                  "kv_offset": torch.tensor(kv_offset, dtype=torch.int32, device="cuda")}
+        out, lse = run_checked(spec, q, k, v, inputs)
+        if q_offset + 200 <= kv_offset:  # every row before the first key
+            assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())

@@ -1,7 +1,8 @@
-"""Band masks (attngen/maskc/bands.py) on the CPU: which expressions are bands; their closed forms held to
-the dense mask row by row (what ROW_INTERVAL masking needs) and over blocks of rows (sound, and the keys every row
-sees exact); the emitted C++ bounds held to the Python ones (nvcc, run on the CPU, lengths up to 2^31 - 1); and
-what a band's kernel is: the built-ins' closed-form path, no block table."""
+"""Band masks (attngen/maskc/bands.py) on the CPU: which expressions are bands (scalar inputs such as
+context-parallel offsets included); their closed forms held to the dense mask row by row (what ROW_INTERVAL masking
+needs) and over blocks of rows (sound, and the keys every row sees exact); the emitted C++ bounds held to the Python
+ones (nvcc, run on the CPU, lengths up to 2^31 - 1); and what a band's kernel is: the built-ins' closed-form path,
+no block table."""
 
 from __future__ import annotations
 
@@ -26,10 +27,19 @@ BANDS = ["q_idx >= kv_idx", "kv_idx <= q_idx", "not (kv_idx > q_idx)", "q_idx - 
          "0 <= q_idx - kv_idx < 4", "kv_idx < 10", "kv_idx >= 7", "kv_idx == q_idx", "kv_idx - 3 == q_idx",
          "kv_idx >= q_idx + kv_len - q_len", "kv_idx + q_len <= q_idx + kv_len", "-kv_idx > -q_idx - 5",
          "2 * (kv_idx - q_idx) + 3 < kv_idx - q_idx + 10", "kv_idx < 3 * kv_len - 2 * q_len - 40",
-         "kv_idx <= q_idx and kv_idx >= q_idx - 5 and kv_idx < 40 and kv_idx > 2"]
+         "kv_idx <= q_idx and kv_idx >= q_idx - 5 and kv_idx < 40 and kv_idx > 2",
+         # scalar inputs: a context-parallel shard's offsets, a limit
+         "kv_idx + kv_offset <= q_idx + q_offset", "kv_idx < lim", "kv_idx >= 2 * lim - q_offset + 3",
+         "kv_idx + kv_offset <= q_idx + q_offset and q_idx + q_offset - kv_idx - kv_offset < 30",
+         # abs, min and max that split into comparisons
+         "abs(q_idx - kv_idx) <= 12", "not (abs(kv_idx - q_idx - 3) > 5)", "kv_idx < min(q_idx + 1, 40)",
+         "kv_idx > max(q_idx - 30, kv_len - q_len - 40)", "max(kv_idx, q_idx - 5) < q_idx", "abs(q_idx - kv_idx) < -1",
+         "kv_idx >= max(q_idx - 20, 3, lim) and abs(kv_idx - q_offset) < 50"]
+# The scalar inputs' values in these tests (int32, as attngen passes them).
+INPUTS = {"q_offset": 37, "kv_offset": -11, "lim": 9}
 NOT_BANDS = ["2 * kv_idx < q_idx", "kv_idx != q_idx", "q_idx + kv_idx < 10", "kv_idx < q_idx or kv_idx > 3",
-             "kv_idx * q_idx < 5", "h == 1 and kv_idx < q_idx", "kv_idx < lim", "q_idx < 5", "kv_idx % 3 != 1",
-             "kv_idx < b + 3", "abs(q_idx - kv_idx) < 5", "kv_idx < q_len // 2", "kv_idx <= q_idx and q_idx > 3",
+             "kv_idx * q_idx < 5", "h == 1 and kv_idx < q_idx", "kv_idx < doc[h]", "q_idx < 5", "kv_idx % 3 != 1",
+             "kv_idx < b + 3", "abs(q_idx - kv_idx) >= 5", "kv_idx < max(q_idx, 5)", "max(kv_idx, 10) < q_idx", "kv_idx < q_len // 2", "kv_idx <= q_idx and q_idx > 3",
              "kv_idx < 2199023255552"]  # a constant past bands.MAX_CONSTANT
 
 _OPS = ("<", "<=", ">", ">=", "==")
@@ -43,12 +53,16 @@ def band_texts(draw) -> str:
     for _ in range(draw(st.integers(1, 3))):
         op = draw(st.sampled_from(_OPS))
         x = draw(st.sampled_from(("q_idx + ", "", "q_idx - ")))  # "q_idx - " goes to the kv side below
-        lengths = draw(st.sampled_from(("", "kv_len - q_len + ", "q_len - kv_len + ", "2 * kv_len - 2 * q_len + ")))
+        lengths = draw(st.sampled_from(("", "kv_len - q_len + ", "q_len - kv_len + ", "2 * kv_len - 2 * q_len + ",
+                                        "q_offset - kv_offset + ", "lim + ")))
         c = draw(st.integers(-60, 60))
         kv = "kv_idx - q_idx" if x == "q_idx - " else "kv_idx"
         right = f"{'q_idx + ' if x == 'q_idx + ' else ''}{lengths}{c}"
         term = f"{kv} {op} {right}" if draw(st.booleans()) else f"{right} {_SWAPPED[op]} {kv}"
-        terms.append(f"not ({term})" if op != "==" and draw(st.integers(0, 3)) == 0 else term)
+        if op in ("<", "<=") and draw(st.integers(0, 3)) == 0:  # |kv - right| below a width, as abs()
+            terms.append(f"abs({kv} - ({right})) {op} {draw(st.integers(-3, 40))}")
+        else:
+            terms.append(f"not ({term})" if op != "==" and draw(st.integers(0, 3)) == 0 else term)
     return " and ".join(terms)
 
 
@@ -68,11 +82,12 @@ def test_band_bounds_are_exact_per_row_and_sound_per_block(text, Sq, Sk, block_m
     """Every row sees exactly [kv_begin, kv_end) of bounds(q, q + 1) (mask.cuh.j2 ROW_INTERVAL); rows [m0, m1)
     see nothing outside [kv_begin, kv_end), and [full_begin, full_end) is exactly the keys all of them see."""
     mask = masks.get_mask(text)
-    dense = assert_rows_are_their_intervals(text, Sq, Sk)
+    values = {name: data.draw(st.integers(-100, 100), label=name) for name in INPUTS}
+    dense = assert_rows_are_their_intervals(text, Sq, Sk, values)
     keys = torch.arange(Sk)
     m0 = data.draw(st.integers(0, Sq - 1))
     m1 = min(Sq, m0 + block_m)
-    kv_begin, kv_end, full_begin, full_end = mask.closed_bounds(m0, m1, Sq, Sk)
+    kv_begin, kv_end, full_begin, full_end = mask.closed_bounds(m0, m1, Sq, Sk, values)
     rows = dense[m0:m1]
     outside = (keys < kv_begin) | (keys >= kv_end)
     assert not rows[:, outside].any(), (text, Sq, Sk, m0, m1)
@@ -127,18 +142,23 @@ def test_emitted_bounds_match_the_python_ones(tmp_path):
     texts = BANDS + [
         "kv_idx >= q_idx - 1000 and kv_idx < q_idx + kv_len - q_len + 7", "kv_idx == q_idx + kv_len - q_len"]
     cases = _cases(r)
+    values = {"q_offset": 2**31 - 5, "kv_offset": -(2**31) + 3, "lim": 123456}  # int32's ends, in 64 bits inside
     functions, calls = [], []
     for i, text in enumerate(texts):
         closed = masks.get_mask(text).closed
-        functions.append(f"static void bounds_{i}(int m0, int m1, int Sq, int Sk, int* out) {{\n"
+        functions.append(f"static void bounds_{i}(int m0, int m1, int Sq, int Sk, const Inputs& p, int* out) {{\n"
+                         "    (void)p;\n"
                          f"    const int v[4] = {{{', '.join(closed.cuda)}}};\n"
                          "    for (int j = 0; j < 4; ++j) out[j] = v[j];\n}\n")
-        calls.append(f"    for (int c = 0; c < {len(cases)}; ++c) {{ bounds_{i}(C[c][0], C[c][1], C[c][2], C[c][3], out);"
+        calls.append(f"    for (int c = 0; c < {len(cases)}; ++c) {{ bounds_{i}(C[c][0], C[c][1], C[c][2], C[c][3], p, out);"
                      f' printf("%d %d %d %d\\n", out[0], out[1], out[2], out[3]); }}')
     rows = ", ".join("{" + ", ".join(map(str, c)) + "}" for c in cases)
-    source = (f"#include <cstdio>\n{cuda_preamble()}\n" + "".join(functions)
-              + f"static const int C[{len(cases)}][4] = {{{rows}}};\nint main() {{\n    int out[4];\n"
-              + "\n".join(calls) + "\n    return 0;\n}\n")
+    fields = "".join(f"    const int* in_{name};\n" for name in values)
+    storage = "".join(f"    static const int {name}_value = {v};\n" for name, v in values.items())
+    inputs = ", ".join(f"&{name}_value" for name in values)
+    source = (f"#include <cstdio>\n{cuda_preamble()}\nstruct Inputs {{\n{fields}}};\n" + "".join(functions)
+              + f"static const int C[{len(cases)}][4] = {{{rows}}};\nint main() {{\n{storage}"
+              + f"    const Inputs p{{{inputs}}};\n    int out[4];\n" + "\n".join(calls) + "\n    return 0;\n}\n")
     path, binary = tmp_path / "bounds.cu", tmp_path / "bounds"
     path.write_text(source)
     build = subprocess.run([find_nvcc(), "-std=c++17", "-o", str(binary), str(path)], capture_output=True, text=True)
@@ -147,5 +167,29 @@ def test_emitted_bounds_match_the_python_ones(tmp_path):
     for i, text in enumerate(texts):
         mask = masks.get_mask(text)
         for j, case in enumerate(cases):
-            expected = " ".join(map(str, mask.closed_bounds(*case)))
+            expected = " ".join(map(str, mask.closed_bounds(*case, values)))
             assert printed[i * len(cases) + j] == expected, (text, case)
+
+
+OFFSETS = "kv_idx + kv_offset <= q_idx + q_offset"
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found (PATH or $CUDA_HOME/bin)")
+@pytest.mark.parametrize("name", [*families.FAMILIES, *families.DECODE_FAMILIES, *families.BACKWARD_FAMILIES])
+def test_every_family_builds_a_band_that_reads_scalar_inputs(name):
+    """A context-parallel shard's causal mask: every family's kernel takes its bounds from the closed form,
+    which reads the offsets through the argument struct (no block table), and compiles without spills. (bwd_sm90
+    at d128 runs at 255 registers and spilled 8 bytes under this mask through the block table too, so it is
+    checked at d64.)"""
+    from attngen.build import nvcc
+
+    family = families.get_family(name)
+    head_dim = 64 if name == "bwd_sm90" else 128
+    target = next(targets.target(a) for a in ("sm_90a", "sm_80")
+                  if family.supports(AttentionSpec(head_dim=head_dim, mask=OFFSETS).problem, targets.target(a)) is None)
+    plan = families.plan_spec(AttentionSpec(head_dim=head_dim, mask=OFFSETS, family=name), target)
+    source = family.render(plan)
+    bounds = source[source.index("Bounds bounds("):]
+    bounds = bounds[:bounds.index("\n}\n")]
+    assert "p.in_q_offset[0]" in bounds and "p.in_kv_offset[0]" in bounds and "_mask_table(" not in source
+    assert nvcc.check_plan(plan).spill_bytes == 0

@@ -31,7 +31,7 @@ def _call(B, S, H, D, inputs) -> ForwardCall:
 
 @pytest.mark.parametrize("mask, expected", [
     ("causal", None), ("sliding_window(64, 0)", None), ("causal and chunked(64)", None),  # closed forms
-    ("kv_idx % 3 != 1", ()), ("kv_idx < lim", ()),  # a table, nothing to summarize (a scalar is read exactly)
+    ("kv_idx % 3 != 1", ()), ("kv_idx < lim or q_idx == kv_idx", ()),  # a table, nothing to summarize (a scalar is read exactly)
     (DOCS, (("doc", 2),)), ("doc[b, q_idx] == doc[b, kv_idx] and h < 4", (("doc", 2),)),
 ])
 def test_plans_build_a_table_for_masks_without_a_closed_form(mask, expected):

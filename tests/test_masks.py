@@ -84,14 +84,17 @@ def test_closed_forms_of_one_row_are_exactly_its_visible_keys(text, Sq, Sk):
     assert_rows_are_their_intervals(text, Sq, Sk)
 
 
-def assert_rows_are_their_intervals(text: str, Sq: int, Sk: int) -> torch.Tensor:
-    """Every row's visible keys are exactly [kv_begin, kv_end) of the closed form over that row; the dense mask."""
+def assert_rows_are_their_intervals(text: str, Sq: int, Sk: int, inputs: dict | None = None) -> torch.Tensor:
+    """Every row's visible keys are exactly [kv_begin, kv_end) of the closed form over that row (with the scalar
+    inputs' values `inputs`, ints); returns the dense mask."""
     mask = masks.get_mask(text)
     assert mask.closed is not None, text
-    dense = _dense(mask, Sq, Sk)
+    tensors = {name: torch.tensor(v) for name, v in (inputs or {}).items()}
+    dense = torch.broadcast_to(torch.as_tensor(mask.dense_visible(torch.arange(Sq)[:, None], torch.arange(Sk)[None, :],
+                                                                  Sq, Sk, inputs=tensors)), (Sq, Sk))
     keys = torch.arange(Sk)
     for q in range(Sq):
-        kv_begin, kv_end, _, _ = mask.closed_bounds(q, q + 1, Sq, Sk)
+        kv_begin, kv_end, _, _ = mask.closed_bounds(q, q + 1, Sq, Sk, inputs)
         interval = (keys >= kv_begin) & (keys < kv_end)
         assert torch.equal(dense[q], interval), f"{text}: row {q} of ({Sq}, {Sk}) is not [{kv_begin}, {kv_end})"
     return dense

@@ -145,7 +145,8 @@ def test_fuzz_cases_draw_runtime_inputs_sized_to_the_case_and_check_them():
 
 def test_position_offsets_are_scalar_inputs():
     """Context parallelism's shard of queries against global key positions: offsets as 0-d inputs,
-    read exactly by the classifier (no index), checked for rank, compiled into both families."""
+    read by the mask's closed-form bounds (a band: attngen/maskc/bands.py), checked for rank, compiled
+    into both families."""
     from attngen.build import nvcc
 
     text = "kv_idx + kv_offset <= q_idx + q_offset"

@@ -1,54 +1,70 @@
-"""Band masks: conjunctions of comparisons that bound kv_idx by q_idx (or by nothing) plus lengths and constants.
+"""Band masks: conjunctions of comparisons that bound kv_idx by q_idx (or by nothing) plus lengths, scalar inputs
+and constants.
 
-A comparison whose two sides differ by an affine function of q_idx, kv_idx, q_len and kv_len, in which kv_idx has
-coefficient +-1 and q_idx either 0 or the opposite of kv_idx's, bounds the keys of row q on one side by a function
-of q that never decreases: `q_idx >= kv_idx` (keys up to q), `q_idx - kv_idx < 4096` (keys after q - 4096),
-`kv_idx < 100`, `kv_idx >= q_idx + kv_len - q_len` (keys from the aligned diagonal on). A conjunction of such shows every row one interval of
-keys, [max of its lower bounds, min of its upper bounds), and shows the rows [m0, m1) together
+A comparison whose two sides differ by an affine function of q_idx, kv_idx, q_len, kv_len and int inputs without an
+index (scalars such as a context-parallel shard's `q_offset`), in which kv_idx has coefficient +-1 and q_idx either
+0 or the opposite of kv_idx's, bounds the keys of row q on one side by a function of q that never decreases:
+`q_idx >= kv_idx` (keys up to q), `q_idx - kv_idx < 4096` (keys after q - 4096), `kv_idx < 100`,
+`kv_idx >= q_idx + kv_len - q_len` (keys from the aligned diagonal on); abs, min and max count where they split
+into such exactly (`abs(q_idx - kv_idx) <= 128`, `kv_idx < min(q_idx + 1, 4096)`). A conjunction of such shows
+every row one interval of keys, [max of its lower bounds, min of its upper bounds), and shows the rows [m0, m1)
+together
 
     some row: [lo(m0), hi(m1 - 1))        every row: [lo(m1 - 1), hi(m0))
 
 (both bounds never decrease in q), exactly. So a mask a user writes out as a band (causal or a sliding window
 spelled as an expression) gets closed-form bounds and per-row interval masking like the built-ins
-(attngen/masks.py), with no block table, no scan and no predicate per element. Anything else (a product of
-indices, `//`, `%`, `or`, `!=`, b or h, a runtime input) is not a band: None, and the mask keeps its table.
+(attngen/masks.py), with no block table, no scan and no predicate per element; `kv_idx + kv_offset <= q_idx +
+q_offset` too, its bounds reading the two scalars. Anything else (a product of indices, `//`, `%`, `or`, `!=`, b or
+h, an input read at an index) is not a band: None, and the mask keeps its table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attngen.maskc.ir import Const, Node, Op, Type, Var
+from attngen.maskc.ir import Const, Input, Node, Op, Type, Var, make
 
-# Kept far from long long's range: the C++ evaluates slope * row + a * q_len + b * kv_len + c in 64 bits with
-# rows and lengths below 2^31, so |a|, |b| <= 2^16 and |c| <= 2^40 keep every term below 2^48.
+# Kept far from long long's range: the C++ evaluates slope * row + a * q_len + b * kv_len + sum(d * input) + c in
+# 64 bits with rows, lengths and int32 inputs below 2^31 in size, so coefficients up to 2^16 and |c| <= 2^40 keep
+# every term below 2^48.
 MAX_LENGTH_COEFFICIENT = 2**16
 MAX_CONSTANT = 2**40
 
 _FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq"}
 _NEGATED = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
 _AFFINE_VARS = ("q_idx", "kv_idx", "q_len", "kv_len")
+_INPUT = "in:"  # the key of a scalar input's coefficient in an affine form
 
 
 @dataclass(frozen=True)
 class Bound:
-    """slope * q + q_len_coef * q_len + kv_len_coef * kv_len + constant, for row q (slope 0 or 1)."""
+    """slope * q + q_len_coef * q_len + kv_len_coef * kv_len + sum(coef * input) + constant, for row q (slope 0
+    or 1); inputs: (name, coef) of scalar int inputs, sorted by name."""
 
     slope: int
     q_len_coef: int
     kv_len_coef: int
     constant: int
+    inputs: tuple[tuple[str, int], ...] = ()
 
-    def at(self, q: int, q_len: int, kv_len: int) -> int:
-        return self.slope * q + self.q_len_coef * q_len + self.kv_len_coef * kv_len + self.constant
+    def at(self, q: int, q_len: int, kv_len: int, values: dict | None = None) -> int:
+        """The bound at row q; values: each input's value (a Python int or a 0-d tensor), 0 where not given."""
+        read = sum(c * int((values or {}).get(name, 0)) for name, c in self.inputs)
+        return self.slope * q + self.q_len_coef * q_len + self.kv_len_coef * kv_len + read + self.constant
 
-    def cuda(self, row: str) -> str:
-        """64-bit C++ over the row expression `row` and the ints Sq, Sk."""
+    def cuda(self, row: str, input_ref) -> str:
+        """64-bit C++ over the row expression `row`, the ints Sq, Sk and the inputs as input_ref reads them."""
         terms = [(self.slope, f"(long long)({row})"), (self.q_len_coef, "(long long)Sq"),
-                 (self.kv_len_coef, "(long long)Sk")]
-        code = " + ".join(t if c == 1 else f"{c}LL * {t}" for c, t in terms if c != 0)
-        if self.constant or not code:
-            code = f"{code} + {self.constant}LL" if code else f"{self.constant}LL"
+                 (self.kv_len_coef, "(long long)Sk"),
+                 *((c, f"(long long){input_ref(name, [])}") for name, c in self.inputs)]
+        code = ""
+        for c, t in [*((c, t) for c, t in terms if c), (self.constant, "")]:
+            if c == 0 and (code or t):
+                continue
+            sign = "-" if c < 0 else "+"
+            piece = f"{abs(c)}LL" if not t else t if abs(c) == 1 else f"{abs(c)}LL * {t}"
+            code = f"{code} {sign} {piece}" if code else (f"-{piece}" if c < 0 else piece)
         return f"({code})"
 
 
@@ -66,48 +82,90 @@ def band(ir: Node) -> Band | None:
     lower: list[Bound] = []
     upper: list[Bound] = []
     for term in terms:
-        sides = _comparison(term)
-        if sides is None:
+        atoms = _atoms(term)
+        if atoms is None:
             return None
-        lo, hi = sides
-        lower += lo
-        upper += hi
+        for atom in atoms:
+            sides = _comparison(atom)
+            if sides is None:
+                return None
+            lower += sides[0]
+            upper += sides[1]
     if not lower and not upper:
         return None
     return Band(tuple(dict.fromkeys(lower)), tuple(dict.fromkeys(upper)))
 
 
-def _comparison(node: Node) -> tuple[list[Bound], list[Bound]] | None:
-    """The lower and upper bounds one comparison (or `not` of one) puts on kv_idx, or None."""
+def _atoms(node: Node) -> list[Op] | None:
+    """A conjunct as comparisons whose sides hold no abs, min or max at the top, or None: `not` moves into
+    the comparison, and `abs(e) < r` is `e < r and -e < r`, `e < min(a, b)` is `e < a and e < b`,
+    `max(a, b) < e` is `a < e and b < e` (likewise for <=, >, >=), exactly, for integers."""
     negate = False
     while isinstance(node, Op) and node.op == "not":
         node, negate = node.args[0], not negate
     if not (isinstance(node, Op) and node.op in _NEGATED and all(a.type is Type.INT for a in node.args)):
         return None
     op = _NEGATED[node.op] if negate else node.op
+    if op in ("eq", "ne"):
+        return [make(op, *node.args)]
+    small, big = node.args if op in ("lt", "le") else node.args[::-1]
+    less = "lt" if op in ("lt", "gt") else "le"
+    if isinstance(small, Op) and small.op == "abs":
+        parts = [make(less, small.args[0], big), make(less, make("neg", small.args[0]), big)]
+    elif isinstance(small, Op) and small.op == "max":
+        parts = [make(less, x, big) for x in small.args]
+    elif isinstance(big, Op) and big.op == "min":
+        parts = [make(less, small, y) for y in big.args]
+    else:
+        return [make(less, small, big)]
+    out = []
+    for part in parts:
+        if isinstance(part, Const):  # folded: True adds nothing; False would hide every key (not a band)
+            if part.value:
+                continue
+            return None
+        atoms = _atoms(part)
+        if atoms is None:
+            return None
+        out += atoms
+    return out
+
+
+def _comparison(node: Op) -> tuple[list[Bound], list[Bound]] | None:
+    """The lower and upper bounds one comparison puts on kv_idx, or None."""
+    op = node.op
     left, right = (_affine(a) for a in node.args)
     if left is None or right is None or op == "ne":
         return None
-    diff = {v: left.get(v, 0) - right.get(v, 0) for v in (*_AFFINE_VARS, "1")}  # diff op 0
+    diff = {v: left.get(v, 0) - right.get(v, 0) for v in {*_AFFINE_VARS, "1", *left, *right}}  # diff op 0
+    if not any(c for v, c in diff.items() if v != "1"):  # a constant: true bounds nothing, false hides every key
+        holds = {"lt": diff["1"] < 0, "le": diff["1"] <= 0, "gt": diff["1"] > 0, "ge": diff["1"] >= 0,
+                 "eq": diff["1"] == 0, "ne": diff["1"] != 0}[op]
+        return ([], []) if holds else ([], [Bound(0, 0, 0, 0)])
     if diff["kv_idx"] not in (1, -1):
         return None
     if diff["kv_idx"] == -1:
         diff, op = {v: -c for v, c in diff.items()}, _FLIPPED[op]
     # kv_idx + rest op 0, i.e. kv_idx op x(q) = -rest: q_idx's coefficient in x must be 0 or 1.
-    x = Bound(-diff["q_idx"], -diff["q_len"], -diff["kv_len"], -diff["1"])
-    if x.slope not in (0, 1) or max(abs(x.q_len_coef), abs(x.kv_len_coef)) > MAX_LENGTH_COEFFICIENT \
+    inputs = tuple(sorted((v[len(_INPUT):], -c) for v, c in diff.items() if v.startswith(_INPUT) and c))
+    x = Bound(-diff["q_idx"], -diff["q_len"], -diff["kv_len"], -diff["1"], inputs)
+    coefficients = [x.q_len_coef, x.kv_len_coef, *(c for _, c in inputs)]
+    if x.slope not in (0, 1) or max(map(abs, coefficients)) > MAX_LENGTH_COEFFICIENT \
             or abs(x.constant) > MAX_CONSTANT - 1:
         return None
-    plus_one = Bound(x.slope, x.q_len_coef, x.kv_len_coef, x.constant + 1)
+    plus_one = Bound(x.slope, x.q_len_coef, x.kv_len_coef, x.constant + 1, inputs)
     return {"lt": ([], [x]), "le": ([], [plus_one]), "gt": ([plus_one], []), "ge": ([x], []),
             "eq": ([x], [plus_one])}[op]
 
 
 def _affine(node: Node) -> dict[str, int] | None:
-    """An int node as {variable or "1": coefficient}, or None when it is not affine in q_idx, kv_idx,
-    q_len, kv_len (b and h are left out: a band's shape may not change from one batch or head to the next)."""
+    """An int node as {variable, "in:<input>" or "1": coefficient}, or None when it is not affine in q_idx,
+    kv_idx, q_len, kv_len and scalar int inputs (b and h are left out: a band's shape may not change from one batch
+    or head to the next)."""
     if isinstance(node, Const) and node.type is Type.INT:
         return {"1": node.value}
+    if isinstance(node, Input):
+        return {_INPUT + node.name: 1} if node.type is Type.INT and not node.index else None
     if isinstance(node, Var):
         return {node.name: 1} if node.name in _AFFINE_VARS else None
     if not isinstance(node, Op) or node.type is not Type.INT:
