@@ -277,12 +277,19 @@ def causal_shaped(text: str) -> bool:
     problems: for each checked query block, every key before it visible (full), every key after it
     hidden (empty) and its diagonal block partial, as the classifier's interval arithmetic shows it
     (e.g. `q_idx >= kv_idx`). Such a mask's tiles have causal's lengths, so a family may schedule
-    them as causal's; the choice affects speed only (docs/perf-notes.md "Per-tile cost")."""
+    them as causal's; the choice affects speed only (docs/perf-notes.md "Per-tile cost"). A mask that
+    reads inputs counts when it is causal shifted by them: a band with one upper bound, q plus lengths,
+    scalars and a constant, and no lower bound (a context-parallel shard's `kv_idx + kv_offset <= q_idx +
+    q_offset`), whose tiles' lengths grow with the row as the built-in causal's do when Sq != Sk."""
+    from attngen.maskc.bands import band
     from attngen.maskc.ir import Var, walk
 
     mask = get_mask(text)
-    if mask.text in ("causal", "none") or mask.program.inputs:
+    if mask.text in ("causal", "none"):
         return mask.text == "causal"
+    if mask.program.inputs:
+        shifted = band(mask.program.ir)
+        return shifted is not None and not shifted.lower and len(shifted.upper) == 1 and shifted.upper[0].slope == 1
     if any(isinstance(node, Var) and node.name in ("b", "h") for node in walk(mask.program.ir)):
         return False  # its shape may change from one batch or head to the next
     block = SHAPE_MODEL_BLOCK

@@ -193,3 +193,18 @@ def test_every_family_builds_a_band_that_reads_scalar_inputs(name):
     bounds = bounds[:bounds.index("\n}\n")]
     assert "p.in_q_offset[0]" in bounds and "p.in_kv_offset[0]" in bounds and "_mask_table(" not in source
     assert nvcc.check_plan(plan).spill_bytes == 0
+
+
+def test_a_shard_is_scheduled_as_causal():
+    """A context-parallel shard's mask is causal shifted by its offsets: fwd_sm90 gives it causal's schedule (the
+    counter's costs more there: docs/perf-notes.md "Per-tile cost"); a windowed shard keeps the counter."""
+    target = targets.target("sm_90a")
+    family = families.get_family("fwd_sm90")
+
+    def schedule(mask):
+        return family.default_config(AttentionSpec(head_dim=128, mask=mask).problem, target).schedule
+
+    assert masks.causal_shaped(OFFSETS) and schedule(OFFSETS) == schedule("causal")
+    windowed = OFFSETS + " and q_idx + q_offset - kv_idx - kv_offset < 300"
+    assert not masks.causal_shaped(windowed) and schedule(windowed) == "dynamic"
+    assert not masks.causal_shaped("kv_idx < lim")
