@@ -32,6 +32,14 @@ def _plans(pool, target):
     return [families.plan_spec(spec, target) for spec in pool]
 
 
+def _spelt_out_band(text: str) -> bool:
+    """A mask whose closed form comes from attngen/maskc/bands.py rather than from its built-ins."""
+    from attngen.maskc.parse import parse
+
+    mask = masks.get_mask(text)
+    return mask.closed is not None and masks.closed_form(mask.text, parse(mask.text, "mask").builtin) is None
+
+
 def test_the_problems_vary_every_problem_field():
     assert {p.head_dim for p in PROBLEMS} == set(HEAD_DIMS)
     assert {p.dtype for p in PROBLEMS} == set(DTYPES)
@@ -44,6 +52,7 @@ def test_the_problems_vary_every_problem_field():
     assert sum(p.varlen for p in PROBLEMS) >= 3
     assert sum(p.mask.startswith("varlen_qdoc[q_idx] == varlen_kdoc[kv_idx]") for p in PROBLEMS) >= 2
     assert sum("kv_offset" in p.mask for p in PROBLEMS) >= 2
+    assert sum(_spelt_out_band(p.mask) for p in PROBLEMS) >= 3  # closed forms from maskc/bands.py, offsets included
     assert sum(p.mask.startswith("block_mask_state[") for p in PROBLEMS) >= 2
     assert PROBLEMS[0].mask == "none"  # what hypothesis shrinks towards: the simplest kernel
     assert len(set(PROBLEMS)) == len(PROBLEMS)

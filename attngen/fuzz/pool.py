@@ -58,6 +58,9 @@ PROBLEMS = (
     Problem(128, "bf16", gqa_ratio=4, mask="sliding_window(4095, 0)"),
     Problem(64, "fp16", gqa_ratio=2, mask="chunked(96) and causal"),
     Problem(96, "bf16", mask="prefix_lm(40)"),
+    # Bands spelt out (closed forms from attngen/maskc/bands.py): a symmetric window, causal capped by a key limit.
+    Problem(64, "bf16", gqa_ratio=2, mask="abs(q_idx - kv_idx) <= 100"),
+    Problem(128, "fp16", mask="kv_idx < min(q_idx + kv_len - q_len + 1, 1000)"),
     Problem(64, "bf16", mask="kv_idx < prefix[b] or causal"),  # prefix lengths per sequence
     Problem(128, "bf16", gqa_ratio=5, mask="chunked(8192) and causal"),  # Llama 4's local layers
     Problem(128, "fp16", gqa_ratio=2, mask="(q_idx + 2 * kv_idx) % 7 != 3 or h == 1 or b == 2"),
@@ -186,6 +189,7 @@ def random_mask(rng: random.Random) -> str:
         lambda: f"chunked({rng.randint(1, 300)}) and causal",
         lambda: f"kv_idx % {rng.randint(1, 9)} != {rng.randint(0, 3)} or q_idx < {rng.randint(0, 50)}",
         lambda: f"kv_idx + kv_offset <= q_idx + q_offset{rng.choice(('', f' + {rng.randint(0, 200)}'))}",
+        lambda: f"abs(q_idx - kv_idx + {rng.randint(-50, 50)}) <= {rng.randint(0, 300)}",  # a band spelt out
         lambda: block_sparse.lowered(rng.choice(("none", "causal", f"sliding_window({rng.randint(0, 300)}, 0)")),
                                      rng.choice((64, 128, 256, rng.randint(1, 300))),
                                      rng.choice((64, 128, 256, rng.randint(1, 300))), rng.random() < 0.5,
