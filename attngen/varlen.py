@@ -82,7 +82,10 @@ def native_reason(problem) -> str | None:
     lowering = get_mask(problem.mask)
     if lowering.closed is None:
         return (f"mask {problem.mask!r} has no closed form of its block bounds; per-sequence tiles run none, causal, "
-                "sliding_window and chunked (attention_varlen runs other masks through the document mask)")
+                "sliding_window, chunked and bands (attention_varlen runs other masks through the document mask)")
+    if lowering.program.inputs:  # a band reading scalars (offsets): not tested per sequence, so the document mask
+        return (f"mask {problem.mask!r} reads runtime inputs; per-sequence tiles run masks without them "
+                "(attention_varlen runs it through the document mask)")
     texts = [("mask", problem.mask), ("score_mod", problem.score_mod), ("sink", problem.sink)]
     for (name, text), (_, program) in zip([t for t in texts if t[1] is not None], problem_programs(problem)):
         nodes = list(walk(program.ir))

@@ -522,6 +522,7 @@ def test_varlen_problems_run_only_on_per_sequence_tiles():
         found = reasons(**kw)
         assert found.pop("fwd_sm90") is None, kw
         assert all("packed sequences (varlen) run on a family that tiles per sequence" in r for r in found.values())
+    assert "reads runtime inputs" in reasons(mask="kv_idx + kv_offset <= q_idx + q_offset")["fwd_sm90"]
     refusals = {"mask": ("kv_idx % 3 != 1", "no closed form"), "score_mod": ("score + bias[q_idx]", "by a position"),
                 "sink": ("sinks[b]", "reads b")}
     for field, (text, why) in refusals.items():
