@@ -40,7 +40,9 @@ INPUTS = {"q_offset": 37, "kv_offset": -11, "lim": 9}
 NOT_BANDS = ["2 * kv_idx < q_idx", "kv_idx != q_idx", "q_idx + kv_idx < 10", "kv_idx < q_idx or kv_idx > 3",
              "kv_idx * q_idx < 5", "h == 1 and kv_idx < q_idx", "kv_idx < doc[h]", "q_idx < 5", "kv_idx % 3 != 1",
              "kv_idx < b + 3", "abs(q_idx - kv_idx) >= 5", "kv_idx < max(q_idx, 5)", "max(kv_idx, 10) < q_idx", "kv_idx < q_len // 2", "kv_idx <= q_idx and q_idx > 3",
-             "kv_idx < 2199023255552"]  # a constant past bands.MAX_CONSTANT
+             "kv_idx < 2199023255552",  # a constant past bands.MAX_CONSTANT
+             # sides that would wrap around in 64 bits though their difference is small
+             "kv_idx + 4611686018427387903 * q_len < q_idx + 4611686018427387903 * q_len"]
 
 _OPS = ("<", "<=", ">", ">=", "==")
 _SWAPPED = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "=="}

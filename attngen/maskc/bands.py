@@ -135,7 +135,7 @@ def _comparison(node: Op) -> tuple[list[Bound], list[Bound]] | None:
     """The lower and upper bounds one comparison puts on kv_idx, or None."""
     op = node.op
     left, right = (_affine(a) for a in node.args)
-    if left is None or right is None or op == "ne":
+    if left is None or right is None or op == "ne" or not (_small(left) and _small(right)):
         return None
     diff = {v: left.get(v, 0) - right.get(v, 0) for v in {*_AFFINE_VARS, "1", *left, *right}}  # diff op 0
     if not any(c for v, c in diff.items() if v != "1"):  # a constant: true bounds nothing, false hides every key
@@ -156,6 +156,12 @@ def _comparison(node: Op) -> tuple[list[Bound], list[Bound]] | None:
     plus_one = Bound(x.slope, x.q_len_coef, x.kv_len_coef, x.constant + 1, inputs)
     return {"lt": ([], [x]), "le": ([], [plus_one]), "gt": ([plus_one], []), "ge": ([x], []),
             "eq": ([x], [plus_one])}[op]
+
+
+def _small(form: dict[str, int]) -> bool:
+    """Whether each side stays far from long long's range on its own, as the element predicate evaluates it (a side
+    that wraps around there would make the predicate and the band disagree; docs/masks.md: integers are exact)."""
+    return all(abs(c) <= (MAX_CONSTANT - 1 if v == "1" else MAX_LENGTH_COEFFICIENT) for v, c in form.items())
 
 
 def _affine(node: Node) -> dict[str, int] | None:
