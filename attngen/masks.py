@@ -62,12 +62,23 @@ def _clamp(x: int, Sk: int) -> int:
     return min(Sk, max(0, x))
 
 
+def _clamped(expr: str) -> str:
+    """C++ of a 64-bit bound clamped to [0, Sk], as an int (what _clamp is in Python)."""
+    return f"(int)maskc_max(0LL, maskc_min((long long)Sk, {expr}))"
+
+
+def _fold(pick: str, exprs) -> str:
+    """C++ pick(pick(e0, e1), e2)... over two or more expressions (one: itself)."""
+    code = exprs[0]
+    for e in exprs[1:]:
+        code = f"{pick}({code}, {e})"
+    return code
+
+
 def _window(left: int, right: int) -> ClosedForm:
     """sliding_window(left, right): row q sees keys [q + d - left, q + d + right], d = Sk - Sq. Every
     row of [m0, m1) sees [m1 - 1 + d - left, m0 + d + right]; some row sees [m0 + d - left, m1 - 1 + d + right]."""
-    def c(expr: str) -> str:  # 64-bit inside, clamped to [0, Sk]
-        return f"(int)maskc_max(0LL, maskc_min((long long)Sk, {expr}))"
-
+    c = _clamped  # 64-bit inside, clamped to [0, Sk]
     d = "((long long)Sk - Sq)"
     cuda = (c(f"(long long)m0 + {d} - {left}LL"), c(f"(long long)m1 + {d} + {right}LL"),
             c(f"(long long)m1 - 1 + {d} - {left}LL"), c(f"(long long)m0 + 1 + {d} + {right}LL"))
@@ -79,9 +90,7 @@ def _window(left: int, right: int) -> ClosedForm:
 def _chunked(size: int) -> ClosedForm:
     """chunked(size): row q sees the keys of its chunk (q + d) // size. Rows [m0, m1) see chunks c0..c1;
     when c0 == c1 every row sees the whole chunk, else no key is visible to all."""
-    def c(expr: str) -> str:
-        return f"(int)maskc_max(0LL, maskc_min((long long)Sk, {expr}))"
-
+    c = _clamped
     d = "((long long)Sk - Sq)"
     c0, c1 = f"maskc_floordiv((long long)m0 + {d}, {size}LL)", f"maskc_floordiv((long long)m1 - 1 + {d}, {size}LL)"
     cuda = (c(f"{c0} * {size}LL"), c(f"({c1} + 1) * {size}LL"), c(f"{c0} * {size}LL"),
@@ -131,10 +140,7 @@ def band_form(program, input_ref) -> ClosedForm | None:
         return None
 
     def cuda_side(bounds, pick: str, empty: str, row: str) -> str:
-        code = empty if not bounds else bounds[0].cuda(row, input_ref)
-        for b in bounds[1:]:
-            code = f"{pick}({code}, {b.cuda(row, input_ref)})"
-        return f"(int)maskc_max(0LL, maskc_min((long long)Sk, {code}))"
+        return _clamped(_fold(pick, [b.cuda(row, input_ref) for b in bounds] or [empty]))
 
     def lo(row: str) -> str:
         return cuda_side(found.lower, "maskc_max", "0LL", row)
@@ -156,13 +162,7 @@ def band_form(program, input_ref) -> ClosedForm | None:
 def _conjunction(forms: list[ClosedForm]) -> ClosedForm:
     """A and B: the keys some row may see lie in both spans (sound); the keys every row sees are
     those every row sees in both (exact)."""
-    def fold(pick: str, exprs) -> str:
-        code = exprs[0]
-        for e in exprs[1:]:
-            code = f"{pick}({code}, {e})"
-        return code
-
-    cuda = tuple(fold("max" if i % 2 == 0 else "min", [f.cuda[i] for f in forms]) for i in range(4))
+    cuda = tuple(_fold("max" if i % 2 == 0 else "min", [f.cuda[i] for f in forms]) for i in range(4))
 
     def python(m0, m1, Sq, Sk):
         bounds = [f.python(m0, m1, Sq, Sk) for f in forms]
@@ -187,7 +187,8 @@ class MaskLowering:
         return self.program.dense(q_idx, kv_idx, Sq, Sk, b=b, h=h, inputs=inputs)
 
 
-    def closed_bounds(self, m0: int, m1: int, Sq: int, Sk: int, inputs: dict | None = None) -> tuple[int, int, int, int]:
+    def closed_bounds(self, m0: int, m1: int, Sq: int, Sk: int,
+                      inputs: dict | None = None) -> tuple[int, int, int, int]:
         if self.closed.reads_inputs:
             return self.closed.python(m0, m1, Sq, Sk, inputs=inputs)
         return self.closed.python(m0, m1, Sq, Sk)

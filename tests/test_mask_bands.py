@@ -39,7 +39,8 @@ BANDS = ["q_idx >= kv_idx", "kv_idx <= q_idx", "not (kv_idx > q_idx)", "q_idx - 
 INPUTS = {"q_offset": 37, "kv_offset": -11, "lim": 9}
 NOT_BANDS = ["2 * kv_idx < q_idx", "kv_idx != q_idx", "q_idx + kv_idx < 10", "kv_idx < q_idx or kv_idx > 3",
              "kv_idx * q_idx < 5", "h == 1 and kv_idx < q_idx", "kv_idx < doc[h]", "q_idx < 5", "kv_idx % 3 != 1",
-             "kv_idx < b + 3", "abs(q_idx - kv_idx) >= 5", "kv_idx < max(q_idx, 5)", "max(kv_idx, 10) < q_idx", "kv_idx < q_len // 2", "kv_idx <= q_idx and q_idx > 3",
+             "kv_idx < b + 3", "abs(q_idx - kv_idx) >= 5", "kv_idx < max(q_idx, 5)", "max(kv_idx, 10) < q_idx",
+             "kv_idx < q_len // 2", "kv_idx <= q_idx and q_idx > 3",
              "kv_idx < 2199023255552",  # a constant past bands.MAX_CONSTANT
              # sides that would wrap around in 64 bits though their difference is small
              "kv_idx + 4611686018427387903 * q_len < q_idx + 4611686018427387903 * q_len"]
@@ -152,7 +153,8 @@ def test_emitted_bounds_match_the_python_ones(tmp_path):
                          "    (void)p;\n"
                          f"    const int v[4] = {{{', '.join(closed.cuda)}}};\n"
                          "    for (int j = 0; j < 4; ++j) out[j] = v[j];\n}\n")
-        calls.append(f"    for (int c = 0; c < {len(cases)}; ++c) {{ bounds_{i}(C[c][0], C[c][1], C[c][2], C[c][3], p, out);"
+        calls.append(f"    for (int c = 0; c < {len(cases)}; ++c) {{"
+                     f" bounds_{i}(C[c][0], C[c][1], C[c][2], C[c][3], p, out);"
                      f' printf("%d %d %d %d\\n", out[0], out[1], out[2], out[3]); }}')
     rows = ", ".join("{" + ", ".join(map(str, c)) + "}" for c in cases)
     fields = "".join(f"    const int* in_{name};\n" for name in values)
