@@ -36,8 +36,14 @@ def cases(torch, attngen):
         cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32).cuda()
         return lambda: attngen.attention_varlen(q, k, v, cu, cu, mask="causal")
 
+    def document_ids():  # the same documents as ids through attention() (a table mask that reads doc)
+        q, k, v = (torch.randn(1, 16384, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        doc = _document_ids()[0].cuda()
+        return lambda: attngen.attention(q, k, v, mask="doc[b, q_idx] == doc[b, kv_idx] and causal", inputs={"doc": doc})
+
     return {
         "documents": documents,
+        "document-ids": document_ids,
         "window4096-16k": lambda: dense(1, 16384, 16, 128, "sliding_window(4095, 0)"),
         "d128-causal-16k": lambda: dense(1, 16384, 16, 128, "causal"),
         "d128-causal-2k": lambda: dense(8, 2048, 16, 128, "causal"),

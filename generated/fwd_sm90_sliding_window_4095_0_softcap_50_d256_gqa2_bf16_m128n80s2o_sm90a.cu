@@ -304,6 +304,15 @@ __host__ __device__ __forceinline__ long long maskc_mod(long long a, long long d
     long long r = a % d;
     return r < 0 ? r + d : r;
 }
+// and, or, where with every operand evaluated: no branch between an element's input reads, which then
+// issue together with the other elements' (a short-circuit per element serialised them: each read's
+// round trip before the next element's, docs/perf-notes.md "Masks that read inputs, without a branch").
+// The kernels evaluate a predicate only at positions whose every read is in range (attngen/runtime_inputs.py
+// checks each index over the whole call, whichever branch reads it).
+__host__ __device__ __forceinline__ bool maskc_and(bool a, bool b) { return a & b; }
+__host__ __device__ __forceinline__ bool maskc_or(bool a, bool b) { return a | b; }
+template <class T>
+__host__ __device__ __forceinline__ T maskc_where(bool c, T a, T b) { return c ? a : b; }
 __host__ __device__ __forceinline__ long long maskc_min(long long a, long long b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ long long maskc_max(long long a, long long b) { return a > b ? a : b; }
 __host__ __device__ __forceinline__ long long maskc_abs(long long a) { return a < 0 ? -a : a; }
@@ -367,8 +376,8 @@ __device__ __forceinline__ const int* key_blocks(int, int, int, int, int, const 
 // kernel masks an element with two compares against its row's limits instead of the predicate, whose
 // 64-bit arithmetic and guarded evaluation cost ~80 cycles an element on the H100 (docs/perf-notes.md).
 constexpr bool ROW_INTERVAL = true;
-// PURE: the element predicate reads no runtime input, so a kernel may evaluate it for any position
-// and select (no branch around it); one that reads inputs is evaluated in bounds only.
+// PURE: the element predicate reads no runtime input, so a kernel may evaluate it at any position; one
+// that reads inputs is evaluated at positions clamped into bounds (shown_in_bounds).
 constexpr bool PURE = true;
 
 // shown(): the element predicate a kernel applies to a block it masks. Under LISTED a block the
@@ -387,13 +396,51 @@ __device__ __forceinline__ bool shown(int q, int k, int Sq, int Sk, int batch, i
     return visible(q, k, Sq, Sk, batch, head, p);
 }
 
-// shown() where element (q, k) lies in [0, Sq) x [0, Sk), hidden elsewhere. A PURE predicate is
-// evaluated for every element and combined without a branch; one that reads inputs only in bounds.
+// shown() where element (q, k) lies in [0, Sq) x [0, Sk), hidden elsewhere, for every element and
+// without a branch. A predicate that reads inputs reads them at the nearest in-bounds position (q and k
+// are never negative): every index an input takes over [0, Sq) x [0, Sk) was checked against its shape
+// before the call (attngen/runtime_inputs.py), so each read is in range and needs no branch around it.
+// Behind a branch per element the reads waited for one another: the document-ids mask's partial blocks
+// took one round trip per element (docs/perf-notes.md "Masks that read inputs, without a branch").
 template <class P>
 __device__ __forceinline__ bool shown_in_bounds(int q, int k, int Sq, int Sk, int batch, int head, bool full_block,
                                                 const P& p) {
-    if constexpr (PURE) return (k < Sk) & (q < Sq) & shown(q, k, Sq, Sk, batch, head, full_block, p);
-    else return k < Sk && q < Sq && shown(q, k, Sq, Sk, batch, head, full_block, p);
+    const bool in = (k < Sk) & (q < Sq);
+    if constexpr (PURE) return in & shown(q, k, Sq, Sk, batch, head, full_block, p);
+    else return in & shown(min(q, Sq - 1), min(k, Sk - 1), Sq, Sk, batch, head, full_block, p);
+}
+// For a predicate that reads inputs (not PURE): which of a thread's accumulator elements are shown, as
+// bits, four per group (rows q and q + 8, keys k and k + 1: the tensor cores' accumulator layout; group
+// g's (q, k) is first(g), element e of it bit 4 g + e). The groups go through a loop unrolled 4 times, so
+// four groups' reads are in flight at once. Behind a branch per element each read waited for the one
+// before; fully unrolled, ptxas issued every read at once and spilled (docs/perf-notes.md "Masks that
+// read inputs, without a branch").
+template <int GROUPS, class First, class P>
+__device__ __forceinline__ void shown_bits(unsigned long long (&bits)[(GROUPS + 15) / 16], First first, int Sq, int Sk,
+                                           int batch, int head, bool full_block, const P& p) {
+#pragma unroll
+    for (int w = 0; w < (GROUPS + 15) / 16; ++w) {
+        bits[w] = 0;
+#pragma unroll 4
+        for (int c = 0; c < min(16, GROUPS - 16 * w); ++c) {
+            const int2 qk = first(16 * w + c);
+            unsigned long long four = 0;
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                four |= (unsigned long long)shown_in_bounds(qk.x + 8 * (e >> 1), qk.y + (e & 1), Sq, Sk, batch, head,
+                                                            full_block, p) << e;
+            bits[w] |= four << (4 * c);
+        }
+    }
+}
+__device__ __forceinline__ bool bit(const unsigned long long* bits, int i) { return (bits[i / 64] >> (i % 64)) & 1; }
+
+// visible() for a backward family's masked block, a predicate that reads inputs (PURE ones are called
+// behind `in` directly: ptxas gave bwd_sm80 at d128 8 bytes of spill through this function), `in` whether
+// (q, k) lies in bounds: read at the nearest in-bounds position, without a branch, as shown_in_bounds.
+template <class P>
+__device__ __forceinline__ bool visible_in_bounds(bool in, int q, int k, int Sq, int Sk, int batch, int head, const P& p) {
+    return in & visible(min(q, Sq - 1), min(k, Sk - 1), Sq, Sk, batch, head, p);
 }
 
 // Closed forms of the bounds (attngen/masks.py; tests hold them to the scan of masks.scan_bounds).
@@ -435,6 +482,15 @@ __host__ __device__ __forceinline__ long long maskc_mod(long long a, long long d
     long long r = a % d;
     return r < 0 ? r + d : r;
 }
+// and, or, where with every operand evaluated: no branch between an element's input reads, which then
+// issue together with the other elements' (a short-circuit per element serialised them: each read's
+// round trip before the next element's, docs/perf-notes.md "Masks that read inputs, without a branch").
+// The kernels evaluate a predicate only at positions whose every read is in range (attngen/runtime_inputs.py
+// checks each index over the whole call, whichever branch reads it).
+__host__ __device__ __forceinline__ bool maskc_and(bool a, bool b) { return a & b; }
+__host__ __device__ __forceinline__ bool maskc_or(bool a, bool b) { return a | b; }
+template <class T>
+__host__ __device__ __forceinline__ T maskc_where(bool c, T a, T b) { return c ? a : b; }
 __host__ __device__ __forceinline__ long long maskc_min(long long a, long long b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ long long maskc_max(long long a, long long b) { return a > b ? a : b; }
 __host__ __device__ __forceinline__ long long maskc_abs(long long a) { return a < 0 ? -a : a; }
@@ -473,9 +529,8 @@ __host__ __device__ __forceinline__ float maskc_tanhf(float x) {
 
 namespace score {
 constexpr bool MODIFIED = true;
-// Whether the modifier reads runtime inputs: a kernel applies one that reads none to every score of a block
-// (each is finite, and masked or never stored after), and one that does only to in-bounds scores (an index
-// past the sequence, or a padding row's head, would read past its input).
+// Whether the modifier reads runtime inputs: an index past the sequence, or a padding row's head, would
+// read past its input (modify_in_bounds).
 constexpr bool READS_INPUTS = false;
 
 // p: the kernel's argument struct, where runtime inputs live (attngen/runtime_inputs.py).
@@ -484,6 +539,17 @@ __device__ __forceinline__ float modify(float score, int q, int k, int Sq, int S
     const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
     (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p;
     return (50.0f * maskc_tanhf((score * 0.0199999996f)));
+}
+
+// modify() for every score of a block, without a branch: each is finite, and one outside [0, Sq) x [0, Sk)
+// is masked or never stored after. A modifier that reads inputs reads them at the nearest in-bounds
+// position, where every index was checked against its input's shape before the call
+// (attngen/runtime_inputs.py), so a thread's reads issue together (mask.cuh.j2 shown_in_bounds).
+template <class P>
+__device__ __forceinline__ float modify_in_bounds(float score, int q, int k, int Sq, int Sk, int batch, int head,
+                                                  const P& p) {
+    if constexpr (READS_INPUTS) return modify(score, min(q, Sq - 1), min(k, Sk - 1), Sq, Sk, batch, head, p);
+    else return modify(score, q, k, Sq, Sk, batch, head, p);
 }
 
 constexpr bool HAS_SINK = false;
@@ -981,13 +1047,19 @@ __device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0,
             s[i] = c >= lo[h] && c < hi[h] ? s[i] : NEG_INF;
         }
         (void)full_block;
-    } else {
+    } else if constexpr (mask::PURE) {
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) {
             const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
-            // Rows past Sq are never stored; an input is read only in bounds.
             if (!mask::shown_in_bounds(q, k, sq, sk, tile.batch, tile.head, full_block, p)) s[i] = NEG_INF;
         }
+    } else {  // reading inputs: as bits, a few groups' reads in flight at once (mask.cuh.j2 shown_bits)
+        constexpr int GROUPS = S_REGS / 4;  // element i: group i / 4, row +8 when bit 1 of i is set, key + i % 2
+        unsigned long long shown[(GROUPS + 15) / 16];
+        mask::shown_bits<GROUPS>(shown, [&](int g) { return make_int2(row0, k0 + 8 * g); }, sq, sk, tile.batch,
+                                 tile.head, full_block, p);
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i) s[i] = mask::bit(shown, i) ? s[i] : NEG_INF;
     }
 }
 
@@ -1000,8 +1072,7 @@ __device__ __forceinline__ void prepare_scores(float (&s)[S_REGS], int row0, con
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) {
             const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
-            if (!score::READS_INPUTS || (q < sq && k < sk))  // in bounds for the modifier's runtime inputs
-                s[i] = score::modify(s[i] * p.scale, q, k, sq, sk, tile.batch, tile.head, p);
+            s[i] = score::modify_in_bounds(s[i] * p.scale, q, k, sq, sk, tile.batch, tile.head, p);
         }
     }
     if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), b.full_block(it), p, tile, lane);

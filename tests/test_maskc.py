@@ -733,8 +733,12 @@ def test_derivative_matches_autograd(text, pts, q_len, kv_len):
 def test_emitted_cuda_is_printed_from_the_ir():
     program = compile_mask("doc[b, q_idx] == doc[b, kv_idx] and kv_idx // 4 < lim")
     code = program.cuda_visible()
-    assert code == ("((((long long)(doc[b][q_idx])) == ((long long)(doc[b][kv_idx]))) && "
+    # Over input reads, `and`, `or` and `where` evaluate every operand (no branch between the reads:
+    # mask.cuh.j2 shown_in_bounds); without reads they stay C++'s own.
+    assert code == ("maskc_and((((long long)(doc[b][q_idx])) == ((long long)(doc[b][kv_idx]))), "
                     "(((long long)(maskc_floordiv32(((int)kv_idx), 4))) < ((long long)(lim))))")
+    assert compile_mask("q_idx >= kv_idx or kv_idx % 7 == 0").cuda_visible().count(" || ") == 1
+    assert "maskc_where<" in compile_mask("where(q_idx > 3, doc[b, kv_idx], 0) == 1").cuda_visible()
     routed = program.cuda_visible(lambda name, index: f"p.{name}[{' * 64 + '.join(index)}]" if index else f"p.{name}")
     assert "p.doc[b * 64 + q_idx]" in routed and "p.lim" in routed
     assert "return 1;" in program.cuda_classify() and "p.doc[" in program.cuda_classify(

@@ -174,3 +174,23 @@ def test_a_causal_shaped_expression_takes_causal_schedule_on_fwd_sm90():
         shaped, window, causal = config("q_idx >= kv_idx"), config("sliding_window(100, 0)"), config("causal")
         assert shaped.schedule == causal.schedule
         assert dataclasses.replace(shaped, schedule=window.schedule) == window
+
+
+def test_masks_that_read_inputs_read_them_without_a_branch_per_element(tmp_path):
+    """A partial block of the document-ids mask reads doc at its rows and keys: without a branch per
+    element (mask.cuh.j2 shown_bits), fwd_sm90's kernel has fewer loads than a thread has scores in a
+    block (41 against 64), several in flight at once. Behind a branch per element each load waited for
+    the one before (395 of them; the documents ran 1.75x slower on the H200: docs/perf-notes.md "Masks
+    that read inputs, without a branch")."""
+    from attngen.build import nvcc
+
+    if not nvcc.nvcc_available() or nvcc.find_cuobjdump() is None:
+        pytest.skip("nvcc and cuobjdump are needed")
+    spec = AttentionSpec(head_dim=128, mask="doc[b, q_idx] == doc[b, kv_idx] and causal", family="fwd_sm90")
+    plan = families.plan_spec(spec, targets.target("sm_90a"))
+    cubin = tmp_path / "k.cubin"
+    report = nvcc.check_plan(plan, keep_cubin=cubin)
+    assert report.spill_bytes == 0, report.log
+    sass = [f for f in nvcc.sass(cubin).split("Function : ") if f.startswith(plan.kernels[0].symbol + "\n")][0]
+    scores = plan.block_n // 2  # a consumer thread's share of a 64-row warpgroup's block
+    assert sass.count("LDG") < scores, f"{plan.name}: {sass.count('LDG')} global loads for {scores} scores a thread"

@@ -33,7 +33,7 @@ import struct
 from collections.abc import Callable
 
 from attngen.maskc.interval import comparison_form, is_linear_op, linearize
-from attngen.maskc.ir import Const, Input, Node, Op, Type, Var
+from attngen.maskc.ir import Const, Input, Node, Op, Type, Var, walk
 
 InputRef = Callable[[str, list], str]
 # (input name, C++ of its exact leading indices, C++ of the last index's lo and hi) -> C++ of a
@@ -56,6 +56,15 @@ __host__ __device__ __forceinline__ long long maskc_mod(long long a, long long d
     long long r = a % d;
     return r < 0 ? r + d : r;
 }
+// and, or, where with every operand evaluated: no branch between an element's input reads, which then
+// issue together with the other elements' (a short-circuit per element serialised them: each read's
+// round trip before the next element's, docs/perf-notes.md "Masks that read inputs, without a branch").
+// The kernels evaluate a predicate only at positions whose every read is in range (attngen/runtime_inputs.py
+// checks each index over the whole call, whichever branch reads it).
+__host__ __device__ __forceinline__ bool maskc_and(bool a, bool b) { return a & b; }
+__host__ __device__ __forceinline__ bool maskc_or(bool a, bool b) { return a | b; }
+template <class T>
+__host__ __device__ __forceinline__ T maskc_where(bool c, T a, T b) { return c ? a : b; }
 __host__ __device__ __forceinline__ long long maskc_min(long long a, long long b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ long long maskc_max(long long a, long long b) { return a > b ? a : b; }
 __host__ __device__ __forceinline__ long long maskc_abs(long long a) { return a < 0 ? -a : a; }
@@ -302,12 +311,16 @@ class _PointEmitter:
         if op in _INFIX:
             return f"({code[0]} {_INFIX[op]} {code[1]})"
         if op in ("and", "or"):
+            if _reads_input(node):  # every operand evaluated (PREAMBLE); without reads, C++'s own
+                return _nested("maskc_and" if op == "and" else "maskc_or", code)
             return "(" + (" && " if op == "and" else " || ").join(code) + ")"
         if op == "not":
             return f"(!{code[0]})"
         if op == "neg":
             return f"(-{code[0]})"
         if op == "where":
+            if _reads_input(node):
+                return f"maskc_where<{'bool' if node.type is Type.BOOL else 'float'}>({code[0]}, {code[1]}, {code[2]})"
             return f"({code[0]} ? {code[1]} : {code[2]})"
         if op == "to_float":
             return f"((float)({code[0]}))"
@@ -319,7 +332,8 @@ class _PointEmitter:
             return self._input(node)
         op, args = node.op, node.args
         if op == "where":
-            return f"({self.code(args[0])} ? {self.int_code(args[1], width)} : {self.int_code(args[2], width)})"
+            arms = self.code(args[0]), self.int_code(args[1], width), self.int_code(args[2], width)
+            return f"maskc_where<{width}>({', '.join(arms)})" if _reads_input(node) else f"({arms[0]} ? {arms[1]} : {arms[2]})"
         code = [self.int_code(a, width) for a in args]
         if op in _INFIX:
             return f"({code[0]} {_INFIX[op]} {code[1]})"
@@ -330,6 +344,10 @@ class _PointEmitter:
     def _input(self, node: Input) -> str:
         # Indices reach input_ref as long long, whatever width they were computed in.
         return _input_read(node, [self.int_code(i, LONG) for i in node.index], self.ref)
+
+
+def _reads_input(node: Node) -> bool:
+    return any(isinstance(n, Input) for n in walk(node))
 
 
 def _call(helper: str, code: list) -> str:

@@ -271,7 +271,9 @@ __device__ __forceinline__ void flash_bwd(const Params& p) {
                         } else {
                             x *= p.scale_log2;
                         }
-                        const bool shown = item.full ? in : in && mask::visible(q, k, Sq, Sk, batch, item.head, p);
+                        const bool shown = item.full ? in
+                                          : mask::PURE ? in && mask::visible(q, k, Sq, Sk, batch, item.head, p)
+                                                       : mask::visible_in_bounds(in, q, k, Sq, Sk, batch, item.head, p);
                         const float pr = shown ? fast_exp2(x - lse2) : 0.f;
 #ifdef ATTNGEN_DROPOUT
                         // dV's P and dP carry the mask Z (dV is scaled by 1 / (1 - p) at the end, dP here);

@@ -171,7 +171,9 @@ __device__ __forceinline__ void to_operands(u32 (&pf)[PK][4], u32 (&dsf)[PK][4],
                 } else {
                     x *= p.scale_log2;
                 }
-                const bool shown = MASKED ? in && mask::visible(q, k, p.Sq, p.Sk, batch, item.head, p) : in;
+                const bool shown = !MASKED ? in
+                                  : mask::PURE ? in && mask::visible(q, k, p.Sq, p.Sk, batch, item.head, p)
+                                               : mask::visible_in_bounds(in, q, k, p.Sq, p.Sk, batch, item.head, p);
                 pv[e] = shown ? fast_exp2(x - lse2_rows[col]) : 0.f;
                 dsv[e] = shown ? pv[e] * (dp[i] - delta_rows[col]) * grad * p.scale : 0.f;
                 if constexpr (bwd_rows::IG > 0) {

@@ -258,8 +258,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
-                            if (!score::READS_INPUTS || (q < Sq && k < Sk))  // in bounds for its inputs
-                                s_acc[mt][nt][i] = score::modify(s_acc[mt][nt][i] * p.scale, q, k, Sq, Sk, batch, head, p);
+                            s_acc[mt][nt][i] = score::modify_in_bounds(s_acc[mt][nt][i] * p.scale, q, k, Sq, Sk, batch,
+                                                                       head, p);
                         }
             }
             // Per-element mask only on blocks the classification could not prove fully visible.
@@ -290,7 +290,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                                 s_acc[mt][nt][i] = shown ? s_acc[mt][nt][i] : NEG_INF;
                             }
                     (void)full_block;
-                } else {
+                } else if constexpr (mask::PURE) {
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -298,10 +298,20 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 #pragma unroll
                             for (int i = 0; i < 4; ++i) {
                                 const int q = q0 + mt * 16 + 8 * (i / 2), k = k0 + nt * 8 + (i % 2);
-                                // Rows past Sq are never stored; an input is read only in bounds.
                                 if (!mask::shown_in_bounds(q, k, Sq, Sk, batch, head, full_block, p))
                                     s_acc[mt][nt][i] = NEG_INF;
                             }
+                } else {  // reading inputs: as bits, a few groups' reads in flight at once (mask.cuh.j2 shown_bits)
+                    unsigned long long shown[(MT * NT + 15) / 16];  // group mt * NT + nt
+                    mask::shown_bits<MT * NT>(shown, [&](int g) { return make_int2(q0 + g / NT * 16, k0 + g % NT * 8); },
+                                              Sq, Sk, batch, head, full_block, p);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                            for (int i = 0; i < 4; ++i)
+                                s_acc[mt][nt][i] = mask::bit(shown, 4 * (mt * NT + nt) + i) ? s_acc[mt][nt][i] : NEG_INF;
                 }
             }
 

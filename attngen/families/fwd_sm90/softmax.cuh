@@ -23,13 +23,19 @@ __device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0,
             s[i] = c >= lo[h] && c < hi[h] ? s[i] : NEG_INF;
         }
         (void)full_block;
-    } else {
+    } else if constexpr (mask::PURE) {
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) {
             const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
-            // Rows past Sq are never stored; an input is read only in bounds.
             if (!mask::shown_in_bounds(q, k, sq, sk, tile.batch, tile.head, full_block, p)) s[i] = NEG_INF;
         }
+    } else {  // reading inputs: as bits, a few groups' reads in flight at once (mask.cuh.j2 shown_bits)
+        constexpr int GROUPS = S_REGS / 4;  // element i: group i / 4, row +8 when bit 1 of i is set, key + i % 2
+        unsigned long long shown[(GROUPS + 15) / 16];
+        mask::shown_bits<GROUPS>(shown, [&](int g) { return make_int2(row0, k0 + 8 * g); }, sq, sk, tile.batch,
+                                 tile.head, full_block, p);
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i) s[i] = mask::bit(shown, i) ? s[i] : NEG_INF;
     }
 }
 
@@ -42,8 +48,7 @@ __device__ __forceinline__ void prepare_scores(float (&s)[S_REGS], int row0, con
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) {
             const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
-            if (!score::READS_INPUTS || (q < sq && k < sk))  // in bounds for the modifier's runtime inputs
-                s[i] = score::modify(s[i] * p.scale, q, k, sq, sk, tile.batch, tile.head, p);
+            s[i] = score::modify_in_bounds(s[i] * p.scale, q, k, sq, sk, tile.batch, tile.head, p);
         }
     }
     if (b.needs_mask(it)) apply_mask(s, row0, b.key0(it), b.full_block(it), p, tile, lane);
