@@ -180,6 +180,12 @@ class MaskLowering:
     preamble: str
     closed: ClosedForm | None  # bounds in closed form (no scan): built-ins and bands
     program: Any  # the compiled attngen.maskc program
+    # The input reads a kernel may take out of the per-element predicate (maskc.cuda.hoisted_reads): C++
+    # reading each row's (no kv_idx in its indices) and each key's (kv_idx, no q_idx), and the predicate
+    # over their values rv[i] and kv[i] (mask.cuh.j2 visible_from).
+    row_reads: tuple[str, ...] = ()
+    key_reads: tuple[str, ...] = ()
+    visible_from: str = ""
 
     def dense_visible(self, q_idx, kv_idx, Sq: int, Sk: int, b=0, h=0, inputs=None):
         """The predicate on broadcastable torch integer tensors (the reference's mask); `inputs`:
@@ -251,8 +257,9 @@ def get_mask(text: str) -> MaskLowering:
 @functools.lru_cache(maxsize=1024)
 def _lower(text: str) -> MaskLowering:
     from attngen import maskc
-    from attngen.maskc.parse import parse
     from attngen.mask_table import span_ref
+    from attngen.maskc.cuda import hoisted_reads, point_code, read_code
+    from attngen.maskc.parse import parse
     from attngen.runtime_inputs import input_ref
 
     try:
@@ -262,8 +269,12 @@ def _lower(text: str) -> MaskLowering:
         raise ValueError(f"mask={show(text)} is invalid: {exc}; allowed: {ALLOWED}") from None
     closed = closed_form(canonical, parse(canonical, "mask").builtin) or band_form(program, input_ref)
     # Runtime inputs are read from the kernel's argument struct p (attngen/runtime_inputs.py).
+    rows, keys = hoisted_reads(program.ir)
+    values = {n: f"rv[{i}]" for i, n in enumerate(rows)} | {n: f"kv[{i}]" for i, n in enumerate(keys)}
     return MaskLowering(canonical, program.slug, program.cuda_visible(input_ref),
-                        program.cuda_classify(input_ref, span_ref), maskc.cuda_preamble(), closed, program)
+                        program.cuda_classify(input_ref, span_ref), maskc.cuda_preamble(), closed, program,
+                        tuple(read_code(n, input_ref) for n in rows), tuple(read_code(n, input_ref) for n in keys),
+                        point_code(program.ir, input_ref, values))
 
 
 # The square problems causal_shaped() looks at (up to a million positions: a literal in a mask, such as

@@ -342,28 +342,29 @@ __device__ __forceinline__ bool shown_in_bounds(int q, int k, int Sq, int Sk, in
     else return in & shown(min(q, Sq - 1), min(k, Sk - 1), Sq, Sk, batch, head, full_block, p);
 }
 // For a predicate that reads inputs (not PURE): which of a thread's accumulator elements are shown, as
-// bits, four per group (rows q and q + 8, keys k and k + 1: the tensor cores' accumulator layout; group
-// g's (q, k) is first(g), element e of it bit 4 g + e). The groups go through a loop unrolled 4 times, so
-// four groups' reads are in flight at once. Behind a branch per element each read waited for the one
-// before; fully unrolled, ptxas issued every read at once and spilled (docs/perf-notes.md "Masks that
-// read inputs, without a branch").
-template <int GROUPS, class First, class P>
-__device__ __forceinline__ void shown_bits(unsigned long long (&bits)[(GROUPS + 15) / 16], First first, int Sq, int Sk,
-                                           int batch, int head, bool full_block, const P& p) {
+// bits, four per group of the tensor cores' accumulator layout (rows q and q + 8, keys k and k + 1);
+// four(w, c) gives group 16 w + c's, element e of it bit e (= 2 (row) + key). The groups go through a
+// loop unrolled 4 times, so four groups' reads are in flight at once. Behind a branch per element each
+// read waited for the one before; fully unrolled, ptxas issued every read at once and spilled
+// (docs/perf-notes.md "Masks that read inputs, without a branch").
+template <int GROUPS, class Four>
+__device__ __forceinline__ void shown_bits(unsigned long long (&bits)[(GROUPS + 15) / 16], Four four) {
 #pragma unroll
     for (int w = 0; w < (GROUPS + 15) / 16; ++w) {
         bits[w] = 0;
 #pragma unroll 4
-        for (int c = 0; c < min(16, GROUPS - 16 * w); ++c) {
-            const int2 qk = first(16 * w + c);
-            unsigned long long four = 0;
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                four |= (unsigned long long)shown_in_bounds(qk.x + 8 * (e >> 1), qk.y + (e & 1), Sq, Sk, batch, head,
-                                                            full_block, p) << e;
-            bits[w] |= four << (4 * c);
-        }
+        for (int c = 0; c < min(16, GROUPS - 16 * w); ++c) bits[w] |= (unsigned long long)four(w, c) << (4 * c);
     }
+}
+// The four bits of the group whose first element is (q, k), through shown_in_bounds.
+template <class P>
+__device__ __forceinline__ unsigned shown_four(int q, int k, int Sq, int Sk, int batch, int head, bool full_block,
+                                               const P& p) {
+    unsigned four = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+        four |= unsigned(shown_in_bounds(q + 8 * (e >> 1), k + (e & 1), Sq, Sk, batch, head, full_block, p)) << e;
+    return four;
 }
 __device__ __forceinline__ bool bit(const unsigned long long* bits, int i) { return (bits[i / 64] >> (i % 64)) & 1; }
 
@@ -373,6 +374,36 @@ __device__ __forceinline__ bool bit(const unsigned long long* bits, int i) { ret
 template <class P>
 __device__ __forceinline__ bool visible_in_bounds(bool in, int q, int k, int Sq, int Sk, int batch, int head, const P& p) {
     return in & visible(min(q, Sq - 1), min(k, Sk - 1), Sq, Sk, batch, head, p);
+}
+// KEYED: the predicate reads inputs per key (indices with kv_idx and without q_idx), and a kernel masks
+// with it rather than a BlockMask's element mask (LISTED). A forward kernel then reads each of its rows'
+// values (row_values) and each key's (key_values) once per block, passes the keys' values between lanes,
+// and evaluates visible_from on them: one round of reads a block, no index arithmetic per element
+// (fwd_sm90 apply_mask; attngen/maskc/cuda.py hoisted_reads). Reads indexed by both stay in visible_from.
+constexpr int ROW_READS = 1, KEY_READS = 1;
+constexpr bool KEYED = !LISTED && KEY_READS > 0;
+constexpr int ROW_SLOTS = ROW_READS > 0 ? ROW_READS : 1, KEY_SLOTS = KEY_READS > 0 ? KEY_READS : 1;  // (arrays)
+
+template <class P>
+__device__ __forceinline__ void row_values(int q, int Sq, int Sk, int batch, int head, const P& p,
+                                           int (&rv)[ROW_SLOTS]) {
+    const long long q_idx = q, kv_idx = 0, q_len = Sq, kv_len = Sk, b = batch, h = head;
+    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p; (void)rv;
+    rv[0] = p.in_doc[(b) * p.in_doc_s0 + (q_idx) * p.in_doc_s1];
+}
+template <class P>
+__device__ __forceinline__ void key_values(int k, int Sq, int Sk, int batch, int head, const P& p, int (&kv)[KEY_SLOTS]) {
+    const long long q_idx = 0, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
+    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p; (void)kv;
+    kv[0] = p.in_doc[(b) * p.in_doc_s0 + (kv_idx) * p.in_doc_s1];
+}
+// visible(q, k) from the values row_values read at q and key_values at k.
+template <class P>
+__device__ __forceinline__ bool visible_from(int q, int k, int Sq, int Sk, int batch, int head, const P& p,
+                                             const int (&rv)[ROW_SLOTS], const int (&kv)[KEY_SLOTS]) {
+    const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
+    (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p; (void)rv; (void)kv;
+    return maskc_and((((long long)(rv[0])) == ((long long)(kv[0]))), (kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len)))))));  // (not KEYED: never called)
 }
 
 

@@ -36,7 +36,7 @@ from test_maskc import (
 
 from attngen.build.nvcc import find_nvcc
 from attngen.maskc import compile_mask, compile_score_mod, cuda_preamble
-from attngen.maskc.cuda import VAR_RANGES, float_literal, int_literal, static_range
+from attngen.maskc.cuda import VAR_RANGES, float_literal, hoisted_reads, int_literal, point_code, read_code, static_range
 
 pytestmark = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found (PATH or $CUDA_HOME/bin)")
 
@@ -185,6 +185,22 @@ def _int_nodes(node):
     return [n for n in walk(node) if n.type is Type.INT]
 
 
+def _hoisted(i: int, program, idx: str) -> str:
+    """visible() as a forward kernel's KEYED path evaluates it (mask.cuh.j2 visible_from): the reads
+    hoisted_reads takes out, each row's read where kv_idx is 0 and each key's where q_idx is 0, then
+    the predicate over their values."""
+    rows, keys = hoisted_reads(program.ir)
+    values = {n: f"rv[{j}]" for j, n in enumerate(rows)} | {n: f"kv[{j}]" for j, n in enumerate(keys)}
+
+    def reads(nodes, zero):
+        return ", ".join(f"[&] {{ const long long {zero} = 0; (void){zero}; return (long long)({read_code(n, input_ref)}); }}()"
+                         for n in nodes) or "0"
+
+    return (f"__host__ __device__ bool hoisted_{i}({idx}, const Inputs& in) {{\n"
+            f"    const long long rv[] = {{{reads(rows, 'kv_idx')}}}, kv[] = {{{reads(keys, 'q_idx')}}};\n"
+            f"    (void)rv; (void)kv;\n    return {point_code(program.ir, input_ref, values)};\n}}\n")
+
+
 def _source(masks, mods, rects, scores, where, boundary) -> str:
     parts = ["#include <cstdio>\n", cuda_preamble(), cuda_preamble(), INPUTS_STRUCT]  # the preamble is guarded
     parts.append("__host__ __device__ inline long long wrap_index(long long i, long long n) "
@@ -195,6 +211,7 @@ def _source(masks, mods, rects, scores, where, boundary) -> str:
     for i, program in enumerate(masks):
         parts.append(f"__host__ __device__ bool visible_{i}({idx}, const Inputs& in) {{\n"
                      f"    return {program.cuda_visible(input_ref)};\n}}\n")
+        parts.append(_hoisted(i, program, idx))
         body = "\n".join("    " + line for line in program.cuda_classify(input_ref).splitlines())
         parts.append(f"__host__ __device__ int classify_{i}({box}, const Inputs& in) {{\n{body}\n}}\n")
     for j, program in enumerate(mods):
@@ -224,6 +241,7 @@ def _source(masks, mods, rects, scores, where, boundary) -> str:
     parts.append(f"typedef bool (*Visible)({idx}, const Inputs&);\ntypedef int (*Classify)({box}, const Inputs&);\n"
                  f"typedef float (*Mod)(float, {idx}, const Inputs&);\n")
     parts.append(f"static Visible visibles[] = {{{', '.join(f'visible_{i}' for i in range(len(masks)))}}};\n")
+    parts.append(f"static Visible hoisteds[] = {{{', '.join(f'hoisted_{i}' for i in range(len(masks)))}}};\n")
     parts.append(f"static Classify classifies[] = {{{', '.join(f'classify_{i}' for i in range(len(masks)))}}};\n")
     parts.append(f"static Mod mods[] = {{{', '.join(f'mod_{j}' for j in range(len(mods)))}}};\n")
     parts.append(f"""
@@ -235,6 +253,10 @@ int main() {{
             printf("V %d %d ", i, c);
             for (long long q = 0; q < g[0]; ++q)
                 for (long long k = 0; k < g[1]; ++k) putchar('0' + visibles[i](q, k, g[0], g[1], g[2], g[3], in));
+            putchar('\\n');
+            printf("H %d %d ", i, c);
+            for (long long q = 0; q < g[0]; ++q)
+                for (long long k = 0; k < g[1]; ++k) putchar('0' + hoisteds[i](q, k, g[0], g[1], g[2], g[3], in));
             putchar('\\n');
         }}
         printf("C %d ", i);
@@ -315,11 +337,13 @@ def compiled(tmp_path_factory):
                            timeout=300, check=False)
     assert build.returncode == 0, f"nvcc failed on {source}:\n{build.stderr[-4000:]}"
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120, check=True)
-    visible, classified, modded, bvisible, bclassified, bmodded = {}, {}, {}, {}, {}, {}
+    visible, hoisted, classified, modded, bvisible, bclassified, bmodded = {}, {}, {}, {}, {}, {}, {}
     for line in run.stdout.splitlines():
         tag, *fields = line.split(" ")
         if tag == "V":
             visible[int(fields[0]), int(fields[1])] = fields[2]
+        elif tag == "H":
+            hoisted[int(fields[0]), int(fields[1])] = fields[2]
         elif tag == "C":
             classified[int(fields[0])] = fields[1]
         elif tag == "B":
@@ -331,7 +355,7 @@ def compiled(tmp_path_factory):
         else:
             modded[int(fields[0])] = [float(x) for x in fields[1:]]
     return {"masks": masks, "mask_texts": mask_texts, "mods": mods, "rects": rects, "scores": scores,
-            "where": where, "visible": visible, "classified": classified, "modded": modded, "source": source,
+            "where": where, "visible": visible, "hoisted": hoisted, "classified": classified, "modded": modded, "source": source,
             "boundary": boundary, "bvisible": bvisible, "bclassified": bclassified, "bmodded": bmodded}
 
 
@@ -341,6 +365,15 @@ def test_visible_matches_dense(compiled):
         for c, (q_len, kv_len, b, h) in enumerate(CONFIGS):
             expected = "".join("01"[v] for v in grid(program, q_len, kv_len, b, h, inputs).flatten().tolist())
             assert compiled["visible"][i, c] == expected, (program.canonical, CONFIGS[c])
+
+
+def test_visible_from_hoisted_reads_matches_visible(compiled):
+    """The KEYED path's predicate (rows' reads where kv_idx is 0, keys' where q_idx is 0, the rest inline)
+    gives visible()'s grid for every program, those with element reads or none included."""
+    assert any(any(hoisted_reads(p.ir)) for p in compiled["masks"])
+    for i, program in enumerate(compiled["masks"]):
+        for c in range(len(CONFIGS)):
+            assert compiled["hoisted"][i, c] == compiled["visible"][i, c], (program.canonical, CONFIGS[c])
 
 
 def test_cuda_classify_matches_python_classify(compiled):

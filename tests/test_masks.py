@@ -177,10 +177,10 @@ def test_a_causal_shaped_expression_takes_causal_schedule_on_fwd_sm90():
 
 
 def test_masks_that_read_inputs_read_them_without_a_branch_per_element(tmp_path):
-    """A partial block of the document-ids mask reads doc at its rows and keys: without a branch per
-    element (mask.cuh.j2 shown_bits), fwd_sm90's kernel has fewer loads than a thread has scores in a
-    block (41 against 64), several in flight at once. Behind a branch per element each load waited for
-    the one before (395 of them; the documents ran 1.75x slower on the H200: docs/perf-notes.md "Masks
+    """A partial block of the document-ids mask reads doc at its rows and keys: once per row and key, in
+    one round, keys passed between lanes (mask.cuh.j2 KEYED), so fwd_sm90's kernel has fewer loads than
+    a thread has scores in a block (29 against 64). Behind a branch per element each load waited for
+    the one before (395 of them; the documents ran 1.9x slower on the H200: docs/perf-notes.md "Masks
     that read inputs, without a branch")."""
     from attngen.build import nvcc
 

@@ -248,19 +248,21 @@ _INT_CALLS = {"abs": "maskc_abs", "min": "maskc_min", "max": "maskc_max", "floor
 _INT32_CALLS = {op: f"{name}32" for op, name in _INT_CALLS.items()}
 
 
-def point_code(node: Node, input_ref: InputRef | None = None) -> str:
+def point_code(node: Node, input_ref: InputRef | None = None, read_values: dict | None = None) -> str:
     """A C++ expression for node at one point, over long long q_idx, kv_idx, q_len, kv_len, b, h
     (and float score): bool, float, or long long for an int node (computed as int inside where
-    that is exact)."""
-    emitter = _PointEmitter(input_ref or default_input_ref)
+    that is exact). read_values: C++ names holding some of its input reads (Input node -> name), read
+    beforehand (hoisted_reads)."""
+    emitter = _PointEmitter(input_ref or default_input_ref, read_values or {})
     if node.type is Type.INT:
         return emitter.int_code(node, LONG)
     return emitter.code(node)
 
 
 class _PointEmitter:
-    def __init__(self, input_ref: InputRef):
+    def __init__(self, input_ref: InputRef, read_values: dict):
         self.ref = input_ref
+        self.read_values = read_values
         self.ranges: dict = {}
 
     def fits(self, node: Node) -> bool:
@@ -342,8 +344,27 @@ class _PointEmitter:
         return _call((_INT32_CALLS if width == INT else _INT_CALLS)[op], code)
 
     def _input(self, node: Input) -> str:
+        if node in self.read_values:
+            return _input_read(node, None, lambda *_: self.read_values[node])
         # Indices reach input_ref as long long, whatever width they were computed in.
         return _input_read(node, [self.int_code(i, LONG) for i in node.index], self.ref)
+
+
+def read_code(node: Input, input_ref: InputRef | None = None) -> str:
+    """The C++ that reads one input element (its own type, not widened), over the point variables."""
+    emitter = _PointEmitter(input_ref or default_input_ref, {})
+    return (input_ref or default_input_ref)(node.name, [emitter.int_code(i, LONG) for i in node.index])
+
+
+def hoisted_reads(node: Node) -> tuple[tuple[Input, ...], tuple[Input, ...]]:
+    """The distinct input reads of a predicate a kernel can take out of its per-element evaluation: those
+    whose indices do not depend on kv_idx (one per row: a row's document id, a batch's prefix length) and
+    those that depend on kv_idx but not q_idx (one per key). Reads indexed by both stay in the predicate."""
+    reads = list(dict.fromkeys(n for n in walk(node) if isinstance(n, Input)))
+    uses = {n: {v.name for v in walk(n) if isinstance(v, Var)} for n in reads}
+    rows = tuple(n for n in reads if "kv_idx" not in uses[n])
+    keys = tuple(n for n in reads if "kv_idx" in uses[n] and "q_idx" not in uses[n])
+    return rows, keys
 
 
 def _reads_input(node: Node) -> bool:

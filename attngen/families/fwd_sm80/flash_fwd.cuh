@@ -303,8 +303,10 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                             }
                 } else {  // reading inputs: as bits, a few groups' reads in flight at once (mask.cuh.j2 shown_bits)
                     unsigned long long shown[(MT * NT + 15) / 16];  // group mt * NT + nt
-                    mask::shown_bits<MT * NT>(shown, [&](int g) { return make_int2(q0 + g / NT * 16, k0 + g % NT * 8); },
-                                              Sq, Sk, batch, head, full_block, p);
+                    mask::shown_bits<MT * NT>(shown, [&](int w, int c) {
+                        const int g = 16 * w + c;
+                        return mask::shown_four(q0 + g / NT * 16, k0 + g % NT * 8, Sq, Sk, batch, head, full_block, p);
+                    });
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

@@ -29,11 +29,49 @@ __device__ __forceinline__ void apply_mask(float (&s)[S_REGS], int row0, int n0,
             const int q = row0 + 8 * ((i >> 1) & 1), k = k0 + 8 * (i >> 2) + (i & 1);
             if (!mask::shown_in_bounds(q, k, sq, sk, tile.batch, tile.head, full_block, p)) s[i] = NEG_INF;
         }
+    } else if constexpr (mask::KEYED) {
+        // Inputs read per key (mask.cuh.j2 KEYED): the two rows' values, and each key's once a quad column.
+        // Lane 4 a + r reads keys n0 + 8 (16 u + 2 a + t / 2) + 2 r + t % 2 into slot 4 u + t (t < 4), so
+        // a thread's key 8 c + 2 (lane % 4) + j sits in lane 4 ((c % 16) / 2) + lane % 4, slot 4 (c / 16) +
+        // 2 (c % 2) + j, the same slot for every lane: one round of loads, one shuffle per key and read.
+        constexpr int GROUPS = S_REGS / 4, ROUNDS = (GROUPS + 15) / 16;
+        int rv[2][mask::ROW_SLOTS], held[4 * ROUNDS][mask::KEY_SLOTS];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            mask::row_values(min(row0 + 8 * h, sq - 1), sq, sk, tile.batch, tile.head, p, rv[h]);
+#pragma unroll
+        for (int t = 0; t < 4 * ROUNDS; ++t) {
+            const int key = n0 + 8 * (16 * (t / 4) + 2 * (lane / 4) + (t % 4) / 2) + 2 * (lane % 4) + t % 2;
+            mask::key_values(min(key, sk - 1), sq, sk, tile.batch, tile.head, p, held[t]);
+        }
+        unsigned long long shown[ROUNDS];
+        mask::shown_bits<GROUPS>(shown, [&](int w, int c) {  // group 16 w + c: a loop over c, four at a time
+            unsigned four = 0;
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                int kv[mask::KEY_SLOTS];
+#pragma unroll
+                for (int r = 0; r < mask::KEY_READS; ++r)  // the slot by a select: c is not known here
+                    kv[r] = __shfl_sync(0xffffffffu, (c & 1) ? held[4 * w + 2 + j][r] : held[4 * w + j][r],
+                                        4 * (c / 2) + lane % 4);
+                const int k = k0 + 8 * (16 * w + c) + j;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int q = row0 + 8 * h;
+                    four |= unsigned((k < sk) & (q < sq) &
+                                     mask::visible_from(q, k, sq, sk, tile.batch, tile.head, p, rv[h], kv)) << (2 * h + j);
+                }
+            }
+            return four;
+        });
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i) s[i] = mask::bit(shown, i) ? s[i] : NEG_INF;
     } else {  // reading inputs: as bits, a few groups' reads in flight at once (mask.cuh.j2 shown_bits)
         constexpr int GROUPS = S_REGS / 4;  // element i: group i / 4, row +8 when bit 1 of i is set, key + i % 2
         unsigned long long shown[(GROUPS + 15) / 16];
-        mask::shown_bits<GROUPS>(shown, [&](int g) { return make_int2(row0, k0 + 8 * g); }, sq, sk, tile.batch,
-                                 tile.head, full_block, p);
+        mask::shown_bits<GROUPS>(shown, [&](int w, int c) {
+            return mask::shown_four(row0, k0 + 8 * (16 * w + c), sq, sk, tile.batch, tile.head, full_block, p);
+        });
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) s[i] = mask::bit(shown, i) ? s[i] : NEG_INF;
     }
