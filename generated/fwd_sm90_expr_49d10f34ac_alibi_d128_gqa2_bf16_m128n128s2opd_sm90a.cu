@@ -491,7 +491,7 @@ __device__ __forceinline__ bool visible_from(int q, int k, int Sq, int Sk, int b
                                              const int (&rv)[ROW_SLOTS], const int (&kv)[KEY_SLOTS]) {
     const long long q_idx = q, kv_idx = k, q_len = Sq, kv_len = Sk, b = batch, h = head;
     (void)q_idx; (void)kv_idx; (void)q_len; (void)kv_len; (void)b; (void)h; (void)p; (void)rv; (void)kv;
-    return maskc_and((((long long)(rv[0])) == ((long long)(kv[0]))), (kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len)))))));  // (not KEYED: never called)
+    return maskc_and((((long long)(rv[0])) == ((long long)(kv[0]))), (kv_idx <= (q_idx + ((long long)((((int)kv_len) - ((int)q_len)))))));
 }
 
 
