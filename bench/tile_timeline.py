@@ -125,7 +125,30 @@ def summarise(name: str, trace: np.ndarray, ms: float) -> None:
                      + f", gap {gap.mean() if len(gap) else 0:.0f}; fixed {fixed:.0f} clk = {fixed / steady:.2f} blocks"
                      + f"; K0 issued {k0_early.mean():.0f} clk before Q ready, ready {k0_load.mean():.0f} after issue")
     lines.extend(lone_tiles(trace))
+    lines.extend(late_ctas(trace))
     print("\n".join(lines), flush=True)
+
+
+def late_ctas(trace: np.ndarray, count: int = 3) -> list[str]:
+    """Persistent schedules: the CTAs with the longest spans, each with its last three tiles (key blocks, start
+    and end in clocks from the CTA's first tile's start). Spans only: each SM's clock64 has an offset of its
+    own (measured: SMs' clocks apart by ~2M clk), so CTAs' times are compared as spans, all of which begin
+    at the launch."""
+    t = trace[:, 0]
+    done = (t[..., E["STORED"]] > 0) & (t[..., E["KEY_BLOCKS"]] > 0)
+    if not done[:, 1:].any():
+        return []
+    first = t[:, 0, E["TILE_WAIT"]]
+    spans = np.where(done[:, 0], np.where(done, t[..., E["STORED"]], 0).max(axis=1) - first, 0)
+    median = int(np.median(spans[done[:, 0]]))
+    out = []
+    for cta in np.argsort(spans)[::-1][:count]:
+        tiles = np.nonzero(done[cta])[0][-3:]
+        desc = "; ".join(f"{int(t[cta, j, E['KEY_BLOCKS']])} blocks {int(t[cta, j, E['TILE_WAIT']] - first[cta])} to "
+                         f"{int(t[cta, j, E['STORED']] - first[cta])}" for j in tiles)
+        out.append(f"  late CTA {cta} (span {int(spans[cta])} clk, the median's {median}; {int(done[cta].sum())} "
+                   f"tiles): last tiles {desc}")
+    return out
 
 
 def lone_tiles(trace: np.ndarray) -> list[str]:

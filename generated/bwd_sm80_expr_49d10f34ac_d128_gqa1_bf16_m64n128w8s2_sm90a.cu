@@ -417,6 +417,17 @@ __device__ __forceinline__ long long table_row(int batch, int head, const P& p) 
     (void)batch; (void)head; (void)p;
     return (long long)batch * 1 + 0;
 }
+// The batch entry and head a table row is kept for (0 for what the mask does not read).
+template <class P>
+__device__ __forceinline__ int table_batch(long long row, const P& p) {
+    (void)row; (void)p;
+    return (int)(row / 1);
+}
+template <class P>
+__device__ __forceinline__ int table_head(long long row, const P& p) {
+    (void)row; (void)p;
+    return 0;
+}
 
 template <class P>
 __device__ __forceinline__ Bounds bounds(int m0, int, int Sq, int, int batch, int head, const P& p) {
@@ -517,8 +528,7 @@ __device__ void build_table(const P& p) {
     const int m_blocks = (p.Sq + cfg::BLOCK_M - 1) / cfg::BLOCK_M;
     if (warp >= (long long)p.mask_rows * m_blocks) return;
     const int row = (int)(warp / m_blocks), m_block = (int)(warp % m_blocks);
-    const int batch = row / 1;
-    const int head = 0;
+    const int batch = table_batch(row, p), head = table_head(row, p);
     const int m0 = m_block * cfg::BLOCK_M, m1 = min(m0 + cfg::BLOCK_M, p.Sq);
     const int n_blocks = (p.Sk + cfg::BLOCK_N - 1) / cfg::BLOCK_N;
     int kv_begin = 0, kv_end = 0, full_begin = 0, full_end = 0;

@@ -623,7 +623,8 @@ namespace fa90 {
 // same head whose key blocks add up to about the same number for every u. An odd count gets a
 // phantom block M (past Sq: nothing to load or store) paired with block 0. DYNAMIC: sections of
 // p.section_heads (batch, head) pairs (a multiple of GQA_RATIO, so a kv head's query heads share
-// one), and within a section block M-1 of every head, then block M-2, ...
+// one; section_of), and within a section block M-1 of every head, then block M-2, ... (a mask with a
+// block table: its blocks ranked by the key blocks they visit, ranked_block).
 // VARLEN (packed sequences): the list varlen_tiles.cuh built holds each tile's sequence and query
 // block; row0/key0 place the sequence in the packed tensors, sq/sk are its rows and keys, and every
 // position the kernel computes with is the sequence's own. Otherwise row0 = key0 = 0, sq = Sq, sk = Sk.
@@ -637,6 +638,35 @@ __device__ __forceinline__ int seq_q(const Params& p, const Tile& tile) { return
 __device__ __forceinline__ int seq_k(const Params& p, const Tile& tile) { return VARLEN ? tile.sk : p.Sk; }
 __device__ __forceinline__ int first_row(const Tile& tile) { return VARLEN ? tile.row0 : 0; }
 __device__ __forceinline__ int first_key(const Tile& tile) { return VARLEN ? tile.key0 : 0; }
+
+// Sections of the dynamic schedules (tile_of, varlen_tile): tile t's section of `size` (batch, head)
+// pairs out of `pairs`, its first pair and pair count, and t's place r within it. Fewer than size / 2
+// pairs left over join the last whole section: a short last section's longest tiles start as the others'
+// run out, leaving the SMs without one idle (16 heads in sections of 3 left one: causal + ALiBi at 16k
+// 4% slower, document ids 7%; docs/perf-notes.md "A short last section"). Longer ones keep a section of
+// their own, which L2 holds with the rest (the sections' point).
+struct Section {
+    int first, heads, r;
+};
+__device__ __forceinline__ Section section_of(int t, int per_section, int size, int pairs) {
+    const int whole = pairs / size, left = pairs - whole * size;
+    const int sections = whole == 0 || 2 * left >= size ? whole + (left > 0) : whole;
+    const int section = min(t / per_section, sections - 1);
+    const int first = section * size;
+    return {first, section == sections - 1 ? pairs - first : size, t - section * per_section};
+}
+
+#ifdef ATTNGEN_TILE_ORDER
+// The query block of rank `rank` in its (batch, head)'s order: the block table's rows ranked by the key
+// blocks they visit, the most first (order_tiles, before the kernel). A mask with a table has no shape
+// the order by position fits (document ids: a late query block of a short document visits few keys).
+__device__ __forceinline__ int ranked_block(const Params& p, int batch, int head, int rank) {
+    return p.tile_order[mask::table_row(batch, head, p) * p.m_blocks + rank];
+}
+#else
+// The last query block first: under a causal mask or a band, the one that visits the most key blocks.
+__device__ __forceinline__ int ranked_block(const Params& p, int, int, int rank) { return p.m_blocks - 1 - rank; }
+#endif
 
 #ifdef ATTNGEN_VARLEN
 // The workspace varlen_tiles.cuh fills (ints): [0] the schedule's counter, [1] tiles in the list,
@@ -654,10 +684,8 @@ __device__ __forceinline__ int2* tile_list(const Params& p) {
 // while their tiles run (family.py makes them long enough to end level), within a section entry
 // after entry, the section's heads side by side.
 __device__ __forceinline__ Tile varlen_tile(const Params& p, int t) {
-    const int per_section = p.tile_counter[1] * p.section_heads;
-    const int section = t / per_section, r = t - section * per_section;
-    const int heads = min(p.section_heads, p.Hq - section * p.section_heads);  // the last may be short
-    const int e = r / heads, head = section * p.section_heads + (r - e * heads);
+    const Section s = section_of(t, p.tile_counter[1] * p.section_heads, p.section_heads, p.Hq);
+    const int e = s.r / s.heads, head = s.first + (s.r - e * s.heads);
     const int2 entry = tile_list(p)[e];
     const int4 seg = segments(p)[entry.x];
     return {entry.y, head, 0, seg.x, seg.z, seg.y, seg.w};
@@ -675,11 +703,9 @@ __device__ __forceinline__ int blocks_per_head(const Params& p) {
 __device__ __forceinline__ Tile tile_of(const Params& p, int t) {
     if constexpr (VARLEN) return varlen_tile(p, t);
     if constexpr (DYNAMIC) {
-        const int per_section = p.section_heads * p.m_blocks;
-        const int section = t / per_section, r = t - section * per_section;
-        const int heads = min(p.section_heads, p.Hq * p.batch - section * p.section_heads);  // the last may be short
-        const int bh = section * p.section_heads + r % heads;
-        return {p.m_blocks - 1 - r / heads, bh % p.Hq, bh / p.Hq, 0, 0, p.Sq, p.Sk};
+        const Section s = section_of(t, p.section_heads * p.m_blocks, p.section_heads, p.Hq * p.batch);
+        const int bh = s.first + s.r % s.heads, batch = bh / p.Hq, head = bh % p.Hq;
+        return {ranked_block(p, batch, head, s.r / s.heads), head, batch, 0, 0, p.Sq, p.Sk};
     }
     const int per_head = blocks_per_head(p);
     const int bh = t / per_head, r = t - bh * per_head;
@@ -748,6 +774,37 @@ __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
     b.full_hi = min(mb.full_end, seq_k(p, tile));  // a ragged last block is always masked
     return b;
 }
+
+#ifdef ATTNGEN_TILE_ORDER
+constexpr int ORDER_THREADS = 1024;  // family.py ORDER_THREADS
+// Before the kernel (its reset kernel, one CTA per block-table row): the row's query blocks ranked by
+// the key blocks they visit, the most first, ties the later block first (the order without a table).
+// A block's rank counts the blocks ahead of it: O(M^2 / ORDER_THREADS) compares against counts staged
+// in shared memory a chunk at a time, deterministic and without a sort's passes (M = 128 at 16k tokens).
+__device__ void order_tiles(const Params& p) {
+    __shared__ int counts[ORDER_THREADS];
+    const int row = blockIdx.x, batch = mask::table_batch(row, p), head = mask::table_head(row, p);
+    auto count = [&](int m) { return m < p.m_blocks ? kv_blocks(p, Tile{m, head, batch, 0, 0, p.Sq, p.Sk}).count() : -1; };
+#pragma unroll 1
+    for (int m0 = 0; m0 < p.m_blocks; m0 += ORDER_THREADS) {
+        const int m = m0 + threadIdx.x, mine = count(m);
+        int rank = 0;
+#pragma unroll 1
+        for (int j0 = 0; j0 < p.m_blocks; j0 += ORDER_THREADS) {
+            __syncthreads();  // the previous chunk's compares are done
+            counts[threadIdx.x] = count(j0 + threadIdx.x);
+            __syncthreads();
+            const int n = min(ORDER_THREADS, p.m_blocks - j0);
+#pragma unroll 4
+            for (int i = 0; i < n; ++i) {
+                const int c = counts[i];
+                rank += c > mine || (c == mine && j0 + i > m);
+            }
+        }
+        if (m < p.m_blocks) p.tile_order[(long long)row * p.m_blocks + rank] = m;
+    }
+}
+#endif
 
 }  // namespace fa90
 

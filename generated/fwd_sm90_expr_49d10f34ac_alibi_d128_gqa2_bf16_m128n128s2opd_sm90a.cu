@@ -274,6 +274,7 @@ struct FwdSm90Params {
     int* sum_doc;  // min and max of doc per 16 positions (workspace)
     int* mask_table;  // bounds per query block (workspace)
     int mask_rows;  // (batch x heads) entries the table is kept for
+    int* tile_order;  // dynamic schedule: query blocks per table row, the most key blocks first (workspace)
 };
 static_assert(sizeof(FwdSm90Params) == 704, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 static_assert(alignof(FwdSm90Params) == 64, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
@@ -302,6 +303,7 @@ static_assert(__builtin_offsetof(FwdSm90Params, in_doc_n1) == 616, "host and dev
 static_assert(__builtin_offsetof(FwdSm90Params, sum_doc) == 624, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(FwdSm90Params, mask_table) == 632, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(FwdSm90Params, mask_rows) == 640, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
+static_assert(__builtin_offsetof(FwdSm90Params, tile_order) == 648, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 #endif
 
 // Mask expr_49d10f34ac: doc[b, q_idx] == doc[b, kv_idx] and kv_idx <= q_idx + (kv_len - q_len)
@@ -505,6 +507,17 @@ __device__ __forceinline__ long long table_row(int batch, int head, const P& p) 
     (void)batch; (void)head; (void)p;
     return (long long)batch * 1 + 0;
 }
+// The batch entry and head a table row is kept for (0 for what the mask does not read).
+template <class P>
+__device__ __forceinline__ int table_batch(long long row, const P& p) {
+    (void)row; (void)p;
+    return (int)(row / 1);
+}
+template <class P>
+__device__ __forceinline__ int table_head(long long row, const P& p) {
+    (void)row; (void)p;
+    return 0;
+}
 
 template <class P>
 __device__ __forceinline__ Bounds bounds(int m0, int, int Sq, int, int batch, int head, const P& p) {
@@ -605,8 +618,7 @@ __device__ void build_table(const P& p) {
     const int m_blocks = (p.Sq + cfg::BLOCK_M - 1) / cfg::BLOCK_M;
     if (warp >= (long long)p.mask_rows * m_blocks) return;
     const int row = (int)(warp / m_blocks), m_block = (int)(warp % m_blocks);
-    const int batch = row / 1;
-    const int head = 0;
+    const int batch = table_batch(row, p), head = table_head(row, p);
     const int m0 = m_block * cfg::BLOCK_M, m1 = min(m0 + cfg::BLOCK_M, p.Sq);
     const int n_blocks = (p.Sk + cfg::BLOCK_N - 1) / cfg::BLOCK_N;
     int kv_begin = 0, kv_end = 0, full_begin = 0, full_end = 0;
@@ -819,6 +831,8 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[64], const u32 (&a)[4], u64 
 }
 
 
+// The dynamic schedule takes each (batch, head)'s query blocks in an order built per call from the block table.
+#define ATTNGEN_TILE_ORDER 1
 
 // The kernel: its headers, one piece each (flash_fwd_sm90.cuh, last, says what each holds).
 // ---- shapes.cuh: fwd_sm90's sizes, from the plan (namespace cfg): threads, tiles, shared memory, registers ----
@@ -865,7 +879,8 @@ namespace fa90 {
 // same head whose key blocks add up to about the same number for every u. An odd count gets a
 // phantom block M (past Sq: nothing to load or store) paired with block 0. DYNAMIC: sections of
 // p.section_heads (batch, head) pairs (a multiple of GQA_RATIO, so a kv head's query heads share
-// one), and within a section block M-1 of every head, then block M-2, ...
+// one; section_of), and within a section block M-1 of every head, then block M-2, ... (a mask with a
+// block table: its blocks ranked by the key blocks they visit, ranked_block).
 // VARLEN (packed sequences): the list varlen_tiles.cuh built holds each tile's sequence and query
 // block; row0/key0 place the sequence in the packed tensors, sq/sk are its rows and keys, and every
 // position the kernel computes with is the sequence's own. Otherwise row0 = key0 = 0, sq = Sq, sk = Sk.
@@ -879,6 +894,35 @@ __device__ __forceinline__ int seq_q(const Params& p, const Tile& tile) { return
 __device__ __forceinline__ int seq_k(const Params& p, const Tile& tile) { return VARLEN ? tile.sk : p.Sk; }
 __device__ __forceinline__ int first_row(const Tile& tile) { return VARLEN ? tile.row0 : 0; }
 __device__ __forceinline__ int first_key(const Tile& tile) { return VARLEN ? tile.key0 : 0; }
+
+// Sections of the dynamic schedules (tile_of, varlen_tile): tile t's section of `size` (batch, head)
+// pairs out of `pairs`, its first pair and pair count, and t's place r within it. Fewer than size / 2
+// pairs left over join the last whole section: a short last section's longest tiles start as the others'
+// run out, leaving the SMs without one idle (16 heads in sections of 3 left one: causal + ALiBi at 16k
+// 4% slower, document ids 7%; docs/perf-notes.md "A short last section"). Longer ones keep a section of
+// their own, which L2 holds with the rest (the sections' point).
+struct Section {
+    int first, heads, r;
+};
+__device__ __forceinline__ Section section_of(int t, int per_section, int size, int pairs) {
+    const int whole = pairs / size, left = pairs - whole * size;
+    const int sections = whole == 0 || 2 * left >= size ? whole + (left > 0) : whole;
+    const int section = min(t / per_section, sections - 1);
+    const int first = section * size;
+    return {first, section == sections - 1 ? pairs - first : size, t - section * per_section};
+}
+
+#ifdef ATTNGEN_TILE_ORDER
+// The query block of rank `rank` in its (batch, head)'s order: the block table's rows ranked by the key
+// blocks they visit, the most first (order_tiles, before the kernel). A mask with a table has no shape
+// the order by position fits (document ids: a late query block of a short document visits few keys).
+__device__ __forceinline__ int ranked_block(const Params& p, int batch, int head, int rank) {
+    return p.tile_order[mask::table_row(batch, head, p) * p.m_blocks + rank];
+}
+#else
+// The last query block first: under a causal mask or a band, the one that visits the most key blocks.
+__device__ __forceinline__ int ranked_block(const Params& p, int, int, int rank) { return p.m_blocks - 1 - rank; }
+#endif
 
 #ifdef ATTNGEN_VARLEN
 // The workspace varlen_tiles.cuh fills (ints): [0] the schedule's counter, [1] tiles in the list,
@@ -896,10 +940,8 @@ __device__ __forceinline__ int2* tile_list(const Params& p) {
 // while their tiles run (family.py makes them long enough to end level), within a section entry
 // after entry, the section's heads side by side.
 __device__ __forceinline__ Tile varlen_tile(const Params& p, int t) {
-    const int per_section = p.tile_counter[1] * p.section_heads;
-    const int section = t / per_section, r = t - section * per_section;
-    const int heads = min(p.section_heads, p.Hq - section * p.section_heads);  // the last may be short
-    const int e = r / heads, head = section * p.section_heads + (r - e * heads);
+    const Section s = section_of(t, p.tile_counter[1] * p.section_heads, p.section_heads, p.Hq);
+    const int e = s.r / s.heads, head = s.first + (s.r - e * s.heads);
     const int2 entry = tile_list(p)[e];
     const int4 seg = segments(p)[entry.x];
     return {entry.y, head, 0, seg.x, seg.z, seg.y, seg.w};
@@ -917,11 +959,9 @@ __device__ __forceinline__ int blocks_per_head(const Params& p) {
 __device__ __forceinline__ Tile tile_of(const Params& p, int t) {
     if constexpr (VARLEN) return varlen_tile(p, t);
     if constexpr (DYNAMIC) {
-        const int per_section = p.section_heads * p.m_blocks;
-        const int section = t / per_section, r = t - section * per_section;
-        const int heads = min(p.section_heads, p.Hq * p.batch - section * p.section_heads);  // the last may be short
-        const int bh = section * p.section_heads + r % heads;
-        return {p.m_blocks - 1 - r / heads, bh % p.Hq, bh / p.Hq, 0, 0, p.Sq, p.Sk};
+        const Section s = section_of(t, p.section_heads * p.m_blocks, p.section_heads, p.Hq * p.batch);
+        const int bh = s.first + s.r % s.heads, batch = bh / p.Hq, head = bh % p.Hq;
+        return {ranked_block(p, batch, head, s.r / s.heads), head, batch, 0, 0, p.Sq, p.Sk};
     }
     const int per_head = blocks_per_head(p);
     const int bh = t / per_head, r = t - bh * per_head;
@@ -990,6 +1030,37 @@ __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
     b.full_hi = min(mb.full_end, seq_k(p, tile));  // a ragged last block is always masked
     return b;
 }
+
+#ifdef ATTNGEN_TILE_ORDER
+constexpr int ORDER_THREADS = 1024;  // family.py ORDER_THREADS
+// Before the kernel (its reset kernel, one CTA per block-table row): the row's query blocks ranked by
+// the key blocks they visit, the most first, ties the later block first (the order without a table).
+// A block's rank counts the blocks ahead of it: O(M^2 / ORDER_THREADS) compares against counts staged
+// in shared memory a chunk at a time, deterministic and without a sort's passes (M = 128 at 16k tokens).
+__device__ void order_tiles(const Params& p) {
+    __shared__ int counts[ORDER_THREADS];
+    const int row = blockIdx.x, batch = mask::table_batch(row, p), head = mask::table_head(row, p);
+    auto count = [&](int m) { return m < p.m_blocks ? kv_blocks(p, Tile{m, head, batch, 0, 0, p.Sq, p.Sk}).count() : -1; };
+#pragma unroll 1
+    for (int m0 = 0; m0 < p.m_blocks; m0 += ORDER_THREADS) {
+        const int m = m0 + threadIdx.x, mine = count(m);
+        int rank = 0;
+#pragma unroll 1
+        for (int j0 = 0; j0 < p.m_blocks; j0 += ORDER_THREADS) {
+            __syncthreads();  // the previous chunk's compares are done
+            counts[threadIdx.x] = count(j0 + threadIdx.x);
+            __syncthreads();
+            const int n = min(ORDER_THREADS, p.m_blocks - j0);
+#pragma unroll 4
+            for (int i = 0; i < n; ++i) {
+                const int c = counts[i];
+                rank += c > mine || (c == mine && j0 + i > m);
+            }
+        }
+        if (m < p.m_blocks) p.tile_order[(long long)row * p.m_blocks + rank] = m;
+    }
+}
+#endif
 
 }  // namespace fa90
 
@@ -1986,9 +2057,13 @@ fwd_sm90_expr_49d10f34ac_alibi_d128_gqa2_bf16_m128n128s2opd_sm90a(const __grid_c
     fa90::flash_fwd_sm90(p);  // TMA reads the tensor maps in place: no local copy of p
 }
 
-// Zeroes the tile counter the persistent CTAs take their tiles from; launched before the kernel,
-// which may start at once (it waits for this one's write: pdl_wait).
-extern "C" __global__ void fwd_sm90_expr_49d10f34ac_alibi_d128_gqa2_bf16_m128n128s2opd_sm90a_reset(const __grid_constant__ FwdSm90Params p) {
+// Zeroes the tile counter the persistent CTAs take their tiles from and ranks each block-table row's
+// query blocks (a CTA per row; tiles.cuh order_tiles); launched after the table's kernels, before the
+// kernel, which may start at once (it waits for this one's writes: pdl_wait).
+static_assert(fa90::ORDER_THREADS == 1024, "attngen/families/fwd_sm90/family.py ORDER_THREADS and the template disagree");
+extern "C" __global__ void __launch_bounds__(fa90::ORDER_THREADS, 1)
+fwd_sm90_expr_49d10f34ac_alibi_d128_gqa2_bf16_m128n128s2opd_sm90a_reset(const __grid_constant__ FwdSm90Params p) {
     pdl_launch_dependents();
-    *p.tile_counter = 0;
+    if (blockIdx.x == 0 && threadIdx.x == 0) *p.tile_counter = 0;
+    fa90::order_tiles(p);
 }

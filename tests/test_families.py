@@ -258,6 +258,18 @@ def test_sm90_dynamic_schedule_launches(monkeypatch):
         assert main.grid == (132, 1, 1)  # 64 query blocks x 16 or 64 (batch, head) pairs: more tiles than SMs
         table_bytes = mask_table.workspace_bytes(plan.mask_table, call, plan.block_m)
         assert (plan.mask_table is not None) == ("doc" in mask) and family.workspace_bytes(plan, call) >= table_bytes + 4
+        # With a block table the reset also ranks each table row's query blocks (one CTA per row: the ids
+        # are per batch entry), into the workspace after the counter, which the kernel's argument points at.
+        assert plan.tile_order == ("doc" in mask)
+        if plan.tile_order:
+            rows = mask_table.table_rows(plan.mask_table, call)
+            assert rows == 2 and reset.grid == (rows, 1, 1) and reset.block == (sm90.ORDER_THREADS, 1, 1)
+            at = sm90.tile_order_offset(plan, call)
+            assert at >= table_bytes + 4 and family.workspace_bytes(plan, call) == at + 4 * rows * 64
+            args = plan.kernels[0].abi.params
+            assert [p.name for p in args][-1] == "tile_order" and "#define ATTNGEN_TILE_ORDER 1" in family.render(plan)
+        else:
+            assert reset.grid == (1, 1, 1) and "ATTNGEN_TILE_ORDER 1" not in family.render(plan)
         kv_bytes = 2 * 8192 * 128 * 2
         assert sm90.section_heads(call, gqa, 2) == (sm90.L2_SECTION_BYTES // kv_bytes) * gqa
     plan = plan_spec(AttentionSpec(head_dim=128, family="fwd_sm90", config={"schedule": "dynamic"}), h100)

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 import attngen
-from attngen import masks, reference, tolerance
+from attngen import mask_table, masks, reference, tolerance
 from attngen.spec import AttentionSpec
 
 pytestmark = pytest.mark.gpu
@@ -178,6 +178,55 @@ def test_the_block_table_holds_the_bounds_of_the_model(gpu_family):
     scale = spec.effective_scale
     assert (tolerance.check_output(out, ref, q, k, v, "bf16", scale) or tolerance.check_lse(lse, ref_lse, q, k, scale)) \
         is None
+
+
+def test_the_dynamic_schedule_ranks_a_tables_query_blocks_by_their_key_blocks(monkeypatch):
+    """fwd_sm90's dynamic schedule over a block table (document ids: no query block's work follows its
+    position) takes each table row's query blocks the most key blocks first, ties the later block first:
+    the order its reset kernel builds per call is that ranking of the table's own counts. Every tile is
+    covered once, call after call, with other documents at the same layout, in sections of three (batch,
+    head) pairs out of eight (the two left over a section of their own) and of six (the two left over
+    joining it: tiles.cuh section_of)."""
+    import torch
+
+    from attngen import targets
+    from attngen.families.fwd_sm90 import family as sm90
+    from attngen.runtime.dispatch import _outputs_and_call
+    from attngen.runtime.tensors import describe
+
+    if targets.device_target(torch.cuda.current_device()).cc != 90:
+        pytest.skip("fwd_sm90 runs on sm_90a only")
+    B, S, Hkv, ratio = 2, 1500, 2, 2
+    monkeypatch.setattr(sm90, "section_heads", lambda call, gqa, itemsize: 3 * gqa)
+    for gqa in (1, ratio):
+        spec = AttentionSpec(head_dim=64, mask=DOC_MASK, gqa_ratio=gqa, family="fwd_sm90",
+                             config={"schedule": "dynamic"})
+        kernel = attngen.compile(spec)
+        assert kernel.plan.tile_order
+        q, k, v = _inputs(B, S, S, Hkv * ratio // gqa, gqa, 64, seed=31 + gqa)
+        gen = torch.Generator().manual_seed(gqa)
+        for _ in range(2):
+            lengths = [torch.randint(1, 600, (8,), generator=gen).tolist() for _ in range(B)]
+            doc = torch.tensor([(sum(([i] * n for i, n in enumerate(row)), []) + [len(row)] * S)[:S]
+                                for row in lengths], dtype=torch.int32, device="cuda")
+            run_checked(spec, q, k, v, {"doc": doc})
+            out, lse, call = _outputs_and_call(kernel.plan, q, describe(q, "q"), describe(k, "k"), describe(v, "v"),
+                                               None, None, None, {"doc": doc})
+            workspace = torch.zeros(kernel.workspace_bytes(call), dtype=torch.uint8, device="cuda")
+            call = dataclasses.replace(call, workspace=workspace.data_ptr())
+            kernel._module.launch(kernel.family.launches(kernel.plan, call), torch.cuda.current_stream().cuda_stream)
+            torch.cuda.synchronize()
+            plan = kernel.plan
+            m_blocks = -(-S // plan.block_m)
+            table_at = mask_table.layout(plan.mask_table, call, plan.block_m)[1]
+            table = workspace[table_at:table_at + B * m_blocks * 16].view(torch.int32).view(B, m_blocks, 4).tolist()
+            at = sm90.tile_order_offset(plan, call)
+            order = workspace[at:at + B * m_blocks * 4].view(torch.int32).view(B, m_blocks).tolist()
+            for b in range(B):
+                counts = [(-(-hi // plan.block_n) - lo // plan.block_n if hi > lo else 0) if lo >= 0 else hi
+                          for lo, hi, _, _ in table[b]]
+                assert order[b] == sorted(range(m_blocks), key=lambda m: (-counts[m], -m)), (b, counts, order[b])
+            assert len(set(order[0])) == m_blocks and order[0] != list(range(m_blocks - 1, -1, -1))
 
 
 def test_sinks_match_the_reference_with_rows_that_see_no_key(gpu_family):

@@ -161,6 +161,17 @@ class Sm90Plan(ForwardPlan):
         return {"threads": self.threads, "smem_bytes": self.smem_bytes, "q_buffers": self.q_buffers,
                 "producer_regs": self.producer_regs, "consumer_regs": self.consumer_regs}
 
+    @property
+    def tile_order(self) -> bool:
+        """Whether the dynamic schedule takes its query blocks in an order built per call from the mask's
+        block table (tiles.cuh order_tiles): masks without a closed form, whose blocks' work follows no
+        position."""
+        return _ordered(self.schedule, self.mask_table, self.problem.varlen)
+
+
+def _ordered(schedule: str, table, varlen: bool) -> bool:
+    return schedule == "dynamic" and table is not None and not varlen
+
 
 @dataclass(frozen=True)
 class Sm90Args:
@@ -176,6 +187,7 @@ class Sm90Args:
     tile_counter: int = 0
     section_heads: int = 1
     num_seqs: int = 0  # varlen: the sequences packed in q, k, v
+    tile_order: int = 0  # dynamic schedule with a block table: the query blocks' order (workspace)
 
 
 # Packed sequences (Problem.varlen): the sequence count for the tile builder, and out's pointer and
@@ -188,6 +200,13 @@ VARLEN_ARGUMENTS = (
     Param("o_s2", "i64", "i64", lambda a: a.call.out.strides[2], "varlen: out's head stride (elements)"),
 )
 VARLEN_BUILD_THREADS = 1024  # varlen_tiles.cuh BUILD_THREADS
+# A dynamic schedule over a mask's block table: each table row's query blocks ranked by the key blocks
+# they visit (the longest first), built by the reset kernel, one CTA of ORDER_THREADS per row.
+ORDER_ARGUMENTS = (
+    Param("tile_order", "int*", "ptr", lambda a: a.tile_order, "dynamic schedule: query blocks per table row, "
+          "the most key blocks first (workspace)"),
+)
+ORDER_THREADS = 1024  # tiles.cuh ORDER_THREADS
 # The forward kernel as a programmatic dependent launch behind the call's own set-up kernel (launches);
 # a module switch so a probe can time the ordinary launch beside it (bench/sm90_ab_probe.py --ordinary).
 EARLY_AFTER_SETUP = True
@@ -257,6 +276,17 @@ def _counter_offset(plan: Sm90Plan, call: ForwardCall) -> int:
     """Where a dynamic schedule's tile counter sits in the workspace: after the mask's block table."""
     size = mask_table.workspace_bytes(plan.mask_table, call, plan.block_m)
     return -(-size // mask_table.ALIGN) * mask_table.ALIGN
+
+
+def tile_order_offset(plan: Sm90Plan, call: ForwardCall) -> int:
+    """Where the query blocks' order (Sm90Plan.tile_order) sits in the workspace: after the counter."""
+    return _counter_offset(plan, call) + mask_table.ALIGN
+
+
+def _order_bytes(plan: Sm90Plan, call: ForwardCall) -> int:
+    if not plan.tile_order:
+        return 0
+    return 4 * mask_table.table_rows(plan.mask_table, call) * math.ceil(call.seq_q / plan.block_m)
 
 
 def section_heads(call: ForwardCall, gqa_ratio: int, itemsize: int) -> int:
@@ -396,9 +426,13 @@ class Sm90Forward(KernelFamily):
         if problem.dropout_p:
             abi = dropout.with_rng(abi, _the_call)
         # Launched before the kernel: the varlen tile builder, or the dynamic schedule's counter reset.
+        ordered = _ordered(config.schedule, table, problem.varlen)
         if problem.varlen:
             abi = Abi(abi.struct_name, [*abi.params, *VARLEN_ARGUMENTS])
             first = (KernelPlan(f"{name}_tiles", VARLEN_BUILD_THREADS, 0, abi),)
+        elif ordered:
+            abi = Abi(abi.struct_name, [*abi.params, *ORDER_ARGUMENTS])
+            first = (KernelPlan(f"{name}_reset", ORDER_THREADS, 0, abi),)
         else:
             first = (KernelPlan(f"{name}_reset", 32, 0, abi),) if config.schedule == "dynamic" else ()
         return Sm90Plan(
@@ -426,7 +460,8 @@ class Sm90Forward(KernelFamily):
     def workspace_bytes(self, plan: Sm90Plan, call: ForwardCall) -> int:
         if plan.problem.varlen:
             return _counter_offset(plan, call) + _varlen_bytes(plan, call)
-        return _counter_offset(plan, call) + (mask_table.ALIGN if plan.schedule == "dynamic" else 0)
+        return _counter_offset(plan, call) + (mask_table.ALIGN if plan.schedule == "dynamic" else 0) \
+            + _order_bytes(plan, call)
 
     def launches(self, plan: Sm90Plan, call: ForwardCall) -> list[Launch]:
         dtype = get_dtype(plan.dtype)
@@ -445,7 +480,8 @@ class Sm90Forward(KernelFamily):
         args = Sm90Args(call, m_blocks, tensor_map(call.q, plan.block_m), tensor_map(call.k, plan.block_n),
                         tensor_map(call.v, plan.block_n), tensor_map(call.out, 64),
                         call.workspace + _counter_offset(plan, call) if dynamic else 0, heads,
-                        num_seqs(call) if varlen else 0)
+                        num_seqs(call) if varlen else 0,
+                        call.workspace + tile_order_offset(plan, call) if plan.tile_order else 0)
         tiles = m_blocks * call.heads_q * call.batch
         # Behind the call's own kernel that builds the tile list or zeroes the counter, the forward kernel is
         # launched early (a programmatic dependent launch, which that kernel allows at its start): its
@@ -463,7 +499,10 @@ class Sm90Forward(KernelFamily):
         else:
             grid = (min(tiles, sms) if dynamic else tiles, 1, 1)
         params = plan.kernels[0].abi.pack(args)
-        reset = [Launch(plan.kernels[-1].symbol, (1, 1, 1), (32, 1, 1), 0, params)] if dynamic else []
+        # The counter's reset; with a block table also the query blocks' order, a CTA per table row.
+        rows = mask_table.table_rows(plan.mask_table, call) if plan.tile_order else 1
+        reset = [Launch(plan.kernels[-1].symbol, (rows, 1, 1), (plan.kernels[-1].threads, 1, 1), 0, params)] \
+            if dynamic else []
         return [*mask_table.launches(plan, call, params), *reset,
                 Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, params,
                        early=dynamic and EARLY_AFTER_SETUP)]
