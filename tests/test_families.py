@@ -272,6 +272,10 @@ def test_sm90_dynamic_schedule_launches(monkeypatch):
             assert reset.grid == (1, 1, 1) and "ATTNGEN_TILE_ORDER 1" not in family.render(plan)
         kv_bytes = 2 * 8192 * 128 * 2
         assert sm90.section_heads(call, gqa, 2) == (sm90.L2_SECTION_BYTES // kv_bytes) * gqa
+        # The launch's sections: L2's; over a block table (its tiles' lengths follow no pattern) enough (batch,
+        # head) pairs for SECTION_WAVES waves of 64-tile heads where L2's are fewer (9 pairs where L2 holds 6).
+        at = plan.kernels[0].abi.offsets["section_heads"]
+        assert int.from_bytes(main.params[at:at + 4], "little") == (9 if plan.tile_order else 24)
     plan = plan_spec(AttentionSpec(head_dim=128, family="fwd_sm90", config={"schedule": "dynamic"}), h100)
     assert family.launches(plan, _sm90_call(128, 1, 128, 2, 2))[-1].grid == (2, 1, 1)  # fewer tiles than SMs
     # Without a set-up kernel of its own before it, the kernel is launched the ordinary way.

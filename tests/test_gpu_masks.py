@@ -197,7 +197,7 @@ def test_the_dynamic_schedule_ranks_a_tables_query_blocks_by_their_key_blocks(mo
     if targets.device_target(torch.cuda.current_device()).cc != 90:
         pytest.skip("fwd_sm90 runs on sm_90a only")
     B, S, Hkv, ratio = 2, 1500, 2, 2
-    monkeypatch.setattr(sm90, "section_heads", lambda call, gqa, itemsize: 3 * gqa)
+    monkeypatch.setattr(sm90, "launch_section_heads", lambda plan, call, m_blocks, sms: 3 * plan.gqa_ratio)
     for gqa in (1, ratio):
         spec = AttentionSpec(head_dim=64, mask=DOC_MASK, gqa_ratio=gqa, family="fwd_sm90",
                              config={"schedule": "dynamic"})

@@ -244,17 +244,32 @@ def smem_bytes(config: Sm90Config, head_dim: int, q_buffers: int = 1) -> int:
     return 1024 + chunks * 128 * (q_buffers * config.block_m + 2 * config.num_stages * config.block_n)
 
 
-# A varlen call's sections (varlen_tile) hold at least this many waves of tiles, so the longest tile of
-# the last section does not leave the other SMs idle (a section of one head ran 9% longer, modelled
-# and measured: docs/perf-notes.md "Per-sequence tiles").
-VARLEN_SECTION_WAVES = 4
+# The sections (tiles.cuh section_of) of a dynamic schedule whose tiles follow no pattern (packed
+# sequences, a mask's block table) hold at least this many waves of tiles, so the longest tile of a section
+# (a packed document's longest query block, or one straddling two documents given as ids: ~2.4x a block's
+# time, all its blocks partial) ends while the section's other tiles keep the SMs busy. Varlen: a section
+# of one head ran 9% longer (docs/perf-notes.md "Per-sequence tiles"); document ids at 16k in sections of
+# 5 heads rather than L2's 3: -4% ("A short last section"). Other dynamic schedules keep L2's sections:
+# the floor measured -2% to +3% there (d64 causal 16k +3%).
+SECTION_WAVES = 4
 
 
-def varlen_section_heads(call: ForwardCall, gqa_ratio: int, itemsize: int, capacity: int, sms: int) -> int:
-    """Query heads per section of a varlen call: as many as L2 holds the K/V of (section_heads), or
-    more, up to every head, until a section holds VARLEN_SECTION_WAVES waves of the list's tiles."""
-    waves = math.ceil(VARLEN_SECTION_WAVES * sms / max(capacity * gqa_ratio, 1)) * gqa_ratio
-    return min(max(section_heads(call, gqa_ratio, itemsize), waves), call.heads_q)
+def waved_section_heads(call: ForwardCall, gqa_ratio: int, itemsize: int, tiles_per_head: int, sms: int,
+                        pairs: int) -> int:
+    """(batch, query head) pairs per section of a dynamic schedule: as many as L2 holds the K/V of
+    (section_heads), or more, up to all `pairs`, until a section holds SECTION_WAVES waves of tiles."""
+    waves = math.ceil(SECTION_WAVES * sms / max(tiles_per_head * gqa_ratio, 1)) * gqa_ratio
+    return min(max(section_heads(call, gqa_ratio, itemsize), waves), pairs)
+
+
+def launch_section_heads(plan: Sm90Plan, call: ForwardCall, m_blocks: int, sms: int) -> int:
+    """A call's sections: waved for packed sequences and over a block table, L2's otherwise."""
+    itemsize = get_dtype(plan.dtype).itemsize
+    if plan.problem.varlen:
+        return waved_section_heads(call, plan.gqa_ratio, itemsize, m_blocks, sms, call.heads_q)
+    if plan.tile_order:
+        return waved_section_heads(call, plan.gqa_ratio, itemsize, m_blocks, sms, call.heads_q * call.batch)
+    return section_heads(call, plan.gqa_ratio, itemsize)
 
 
 def varlen_capacity(plan: Sm90Plan, call: ForwardCall) -> int:
@@ -474,9 +489,7 @@ class Sm90Forward(KernelFamily):
         m_blocks = varlen_capacity(plan, call) if varlen else math.ceil(call.seq_q / plan.block_m)
         dynamic = plan.schedule == "dynamic"
         sms = plan.target.sms or DEFAULT_SMS
-        itemsize = get_dtype(plan.dtype).itemsize
-        heads = varlen_section_heads(call, plan.gqa_ratio, itemsize, m_blocks, sms) if varlen \
-            else section_heads(call, plan.gqa_ratio, itemsize)
+        heads = launch_section_heads(plan, call, m_blocks, sms)
         args = Sm90Args(call, m_blocks, tensor_map(call.q, plan.block_m), tensor_map(call.k, plan.block_n),
                         tensor_map(call.v, plan.block_n), tensor_map(call.out, 64),
                         call.workspace + _counter_offset(plan, call) if dynamic else 0, heads,
