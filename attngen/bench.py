@@ -61,7 +61,7 @@ def time_ms(fn, input_sets, warmup: int = WARMUP, repeats: int = REPEATS) -> flo
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-ROUNDS = 5  # time_beside: runs per call, in turn with the others
+ROUNDS = 6  # time_beside: runs per call, in turn with the others (an even count: the order reverses)
 
 
 def time_beside(fns: dict, input_sets, rounds: int = ROUNDS, repeats: int = REPEATS // ROUNDS,
@@ -69,8 +69,11 @@ def time_beside(fns: dict, input_sets, rounds: int = ROUNDS, repeats: int = REPE
     """Median ms of each fn(*inputs), the calls timed in turn (`rounds` runs of `repeats` each, after
     `warmup` calls of each; a call's time is the median of its runs' medians), so that every one sees
     the same clocks: the GPU's clock falls ~12% within seconds of sustained load
-    (bench/window_alloc_probe.py), and a ratio of two calls timed apart compares two clocks. A call
-    that raises is left out, its exception returned."""
+    (bench/window_alloc_probe.py), and a ratio of two calls timed apart compares two clocks. Every
+    other round takes the calls in reverse order, so a clock that drifts steadily through the runs
+    favours none of them over an even number of rounds (the masks bench's first case, causal against
+    `q_idx >= kv_idx`, two kernels of one source, read 1.05x apart in two of five runs with causal always
+    first: docs/perf-notes.md). A call that raises is left out, its exception returned."""
     errors: dict[str, Exception] = {}
     live = {}
     for name, fn in fns.items():
@@ -80,8 +83,8 @@ def time_beside(fns: dict, input_sets, rounds: int = ROUNDS, repeats: int = REPE
         except Exception as exc:  # noqa: BLE001 - a peer missing on this machine is recorded, not fatal
             errors[name] = exc
     runs: dict[str, list[float]] = {name: [] for name in live}
-    for _ in range(rounds):
-        for name, fn in live.items():
+    for r in range(rounds):
+        for name, fn in (list(live.items()) if r % 2 == 0 else list(live.items())[::-1]):
             runs[name].append(time_ms(fn, input_sets, warmup=0, repeats=repeats))
     return {name: statistics.median(values) for name, values in runs.items()}, errors
 
@@ -195,7 +198,8 @@ def run_bench(out_dir: Path, quick: bool = False) -> list[dict]:
         "cudnn": torch.backends.cudnn.version(),
         "setup": f"bf16, batch*seqlen={TOKENS}, hidden={HIDDEN}, fwd FLOPs 4*B*H*S*S*D (/2 causal), "
                  f"{ROUNDS} runs of {REPEATS // ROUNDS} CUDA-event timings per implementation, in turn with "
-                 f"the others, after {WARMUP} warm-ups; median of the runs' medians; inputs rotated past L2",
+                 f"the others (the order reversed every other round), after {WARMUP} warm-ups; median of the "
+                 f"runs' medians; inputs rotated past L2",
     }
     stem = f"fwd-{_slug(props.name)}-{meta['date']}" + ("-quick" if quick else "")
     (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows],

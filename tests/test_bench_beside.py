@@ -1,5 +1,5 @@
-"""attngen/bench.py time_beside without a GPU: the calls are timed in turn, round after round, each
-time the median of its runs; a call that raises is reported, not timed."""
+"""attngen/bench.py time_beside without a GPU: the calls are timed in turn, round after round, the order
+reversed every other round, each time the median of its runs; a call that raises is reported, not timed."""
 
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ def test_calls_are_timed_in_turn_and_a_failing_one_is_reported(monkeypatch):
         raise RuntimeError("no cuDNN here")
 
     monkeypatch.setattr(bench, "time_ms", fake_time_ms)
-    times, errors = bench.time_beside({"a": a, "broken": broken, "b": b}, [()], rounds=3, repeats=4, warmup=2)
+    times, errors = bench.time_beside({"a": a, "broken": broken, "b": b}, [()], rounds=4, repeats=4, warmup=2)
     assert list(errors) == ["broken"] and isinstance(errors["broken"], RuntimeError)
-    assert order[:2] == [("a", 2, 1), ("b", 2, 1)]  # warm-ups, then the rounds alternate
-    assert [name for name, _, _ in order[2:]] == ["a", "b"] * 3
+    assert order[:2] == [("a", 2, 1), ("b", 2, 1)]  # warm-ups, then the rounds, every other one reversed
+    assert [name for name, _, _ in order[2:]] == ["a", "b", "b", "a"] * 2
     assert all(repeats == 4 and warmup == 0 for _, warmup, repeats in order[2:])
-    # a's runs read clocks 2, 4, 6 and b's 3, 5, 7: medians 4 and 5.
-    assert times == {"a": 4.0, "b": 5.0}
+    # A clock that rises by one every run: a's runs read 2, 5, 6, 9 and b's 3, 4, 7, 8, both medians 5.5
+    # (in the same order every round they would read 4.5 and 6.5: the drift credited to a).
+    assert times == {"a": 5.5, "b": 5.5}
