@@ -2,8 +2,10 @@
 query / 8 kv heads, d128, bf16, at the issue's four shapes; attngen with a contiguous cache and
 with a paged one (page size 64, pages shuffled), against torch SDPA's flash and cuDNN backends
 (contiguous, native GQA), all in one process. Bandwidth = K and V bytes read / time, held against
-a device-to-device copy measured in the same run. Also a decode step replayed from a CUDA graph at
-1 x 4096 against the bytes-over-bandwidth floor. Writes decode-<gpu>-<date>.json and .png."""
+a device-to-device copy measured in the same run; the four implementations' CUDA graphs are replayed
+in turn, the order reversed every other round (`_graphs_beside`), so their ratios compare one clock.
+Also a decode step replayed from a CUDA graph at 1 x 4096 against the bytes-over-bandwidth floor.
+Writes decode-<gpu>-<date>.json and .png."""
 
 from __future__ import annotations
 
@@ -37,9 +39,8 @@ def _time_ms(fn, repeats: int = REPEATS) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def _graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
-    """Median GPU ms of one fn() call: `calls` calls captured back to back in a CUDA graph, replayed
-    (host overhead excluded: what the kernels take, as a serving loop's graphs see it)."""
+def _capture(fn, calls: int):
+    """`calls` calls of fn captured back to back in a CUDA graph (after one eager call)."""
     import torch
 
     fn()
@@ -51,7 +52,30 @@ def _graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
         for _ in range(calls):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
-    return _time_ms(graph.replay, replays) / calls
+    return graph
+
+
+def _graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
+    """Median GPU ms of one fn() call: `calls` calls captured back to back in a CUDA graph, replayed
+    (host overhead excluded: what the kernels take, as a serving loop's graphs see it)."""
+    return _time_ms(_capture(fn, calls).replay, replays) / calls
+
+
+def _graphs_beside(fns: dict, calls: int = 20, replays: int = 12) -> tuple[dict[str, float], dict[str, Exception]]:
+    """_graph_ms of each call, the graphs replayed in turn (attngen/bench.py time_beside: short runs, the
+    order reversed every other round), so that attngen and the peers whose ratio a bar reads see the
+    same clocks; a call that cannot be captured or replayed is left out, its exception returned."""
+    from attngen.bench import ROUNDS, time_beside
+
+    graphs, errors = {}, {}
+    for name, fn in fns.items():
+        try:
+            graphs[name] = _capture(fn, calls)
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run this shape is reported, not fatal
+            errors[name] = exc
+    times, failed = time_beside({name: graph.replay for name, graph in graphs.items()}, [()],
+                                repeats=max(1, replays // ROUNDS), warmup=2)
+    return {name: ms / calls for name, ms in times.items()}, {**errors, **failed}
 
 
 def _copy_bandwidth() -> float:
@@ -111,7 +135,10 @@ def bench_shape(batch: int, seqlen: int, copy_tbps: float) -> dict:
             row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     for name, fn in impls.items():
         row[f"{name}_eager_ms"] = _time_ms(fn)  # with each call's host overhead
-        ms = _graph_ms(fn)
+    graph_ms, errors = _graphs_beside(impls)
+    for name, exc in errors.items():
+        row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    for name, ms in graph_ms.items():
         row[f"{name}_ms"] = ms
         row[f"{name}_tbps"] = bytes_read / (ms * 1e-3) / 1e12
         row[f"{name}_vs_copy"] = row[f"{name}_tbps"] / copy_tbps
