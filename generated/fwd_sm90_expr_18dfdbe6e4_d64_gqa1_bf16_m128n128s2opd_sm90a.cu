@@ -824,7 +824,7 @@ __device__ __forceinline__ int first_key(const Tile& tile) { return VARLEN ? til
 // pairs out of `pairs`, its first pair and pair count, and t's place r within it. Fewer than size / 2
 // pairs left over join the last whole section: a short last section's longest tiles start as the others'
 // run out, leaving the SMs without one idle (16 heads in sections of 3 left one: causal + ALiBi at 16k
-// 4% slower, document ids 7%; docs/perf-notes.md "A short last section"). Longer ones keep a section of
+// ran 4.5% longer; docs/perf-notes.md "A short last section"). Longer ones keep a section of
 // their own, which L2 holds with the rest (the sections' point).
 struct Section {
     int first, heads, r;
