@@ -837,33 +837,33 @@ __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
 }
 
 #ifdef ATTNGEN_TILE_ORDER
-constexpr int ORDER_THREADS = 1024;  // family.py ORDER_THREADS
-// Before the kernel (its reset kernel, one CTA per block-table row): the row's query blocks ranked by
-// the key blocks they visit, the most first, ties the later block first (the order without a table).
-// A block's rank counts the blocks ahead of it: O(M^2 / ORDER_THREADS) compares against counts staged
-// in shared memory a chunk at a time, deterministic and without a sort's passes (M = 128 at 16k tokens).
+constexpr int ORDER_THREADS = 256;  // family.py ORDER_THREADS
+// Before the kernel (its reset kernel, a CTA per block-table row and ORDER_THREADS query blocks): the row's
+// query blocks ranked by the key blocks they visit, the most first, ties the later block first (the order
+// without a table). Each block's key, count * M + block, is unique; its rank counts the larger keys, each
+// thread one block against all M, keys staged in shared memory a chunk at a time: deterministic, no sort's
+// passes, M compares of 5 instructions a thread over M / ORDER_THREADS CTAs (one CTA of 1,024 threads a
+// row ranking M / 1,024 blocks each took ~4 us at 16k tokens and ~2 ms at 1M: docs/perf-notes.md).
 __device__ void order_tiles(const Params& p) {
-    __shared__ int counts[ORDER_THREADS];
+    __shared__ long long keys[ORDER_THREADS];
     const int row = blockIdx.x, batch = mask::table_batch(row, p), head = mask::table_head(row, p);
-    auto count = [&](int m) { return m < p.m_blocks ? kv_blocks(p, Tile{m, head, batch, 0, 0, p.Sq, p.Sk}).count() : -1; };
+    auto key = [&](int m) {
+        if (m >= p.m_blocks) return -1LL;
+        return (long long)kv_blocks(p, Tile{m, head, batch, 0, 0, p.Sq, p.Sk}).count() * p.m_blocks + m;
+    };
+    const int m = blockIdx.y * ORDER_THREADS + threadIdx.x;
+    const long long mine = key(m);
+    int rank = 0;
 #pragma unroll 1
-    for (int m0 = 0; m0 < p.m_blocks; m0 += ORDER_THREADS) {
-        const int m = m0 + threadIdx.x, mine = count(m);
-        int rank = 0;
-#pragma unroll 1
-        for (int j0 = 0; j0 < p.m_blocks; j0 += ORDER_THREADS) {
-            __syncthreads();  // the previous chunk's compares are done
-            counts[threadIdx.x] = count(j0 + threadIdx.x);
-            __syncthreads();
-            const int n = min(ORDER_THREADS, p.m_blocks - j0);
-#pragma unroll 4
-            for (int i = 0; i < n; ++i) {
-                const int c = counts[i];
-                rank += c > mine || (c == mine && j0 + i > m);
-            }
-        }
-        if (m < p.m_blocks) p.tile_order[(long long)row * p.m_blocks + rank] = m;
+    for (int j0 = 0; j0 < p.m_blocks; j0 += ORDER_THREADS) {
+        __syncthreads();  // the previous chunk's compares are done
+        keys[threadIdx.x] = key(j0 + threadIdx.x);
+        __syncthreads();
+        const int n = min(ORDER_THREADS, p.m_blocks - j0);
+#pragma unroll 8
+        for (int i = 0; i < n; ++i) rank += keys[i] > mine;
     }
+    if (m < p.m_blocks) p.tile_order[(long long)row * p.m_blocks + rank] = m;
 }
 #endif
 

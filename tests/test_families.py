@@ -263,7 +263,8 @@ def test_sm90_dynamic_schedule_launches(monkeypatch):
         assert plan.tile_order == ("doc" in mask)
         if plan.tile_order:
             rows = mask_table.table_rows(plan.mask_table, call)
-            assert rows == 2 and reset.grid == (rows, 1, 1) and reset.block == (sm90.ORDER_THREADS, 1, 1)
+            assert rows == 2 and reset.grid == (rows, -(-64 // sm90.ORDER_THREADS), 1)
+            assert reset.block == (sm90.ORDER_THREADS, 1, 1)
             at = sm90.tile_order_offset(plan, call)
             assert at >= table_bytes + 4 and family.workspace_bytes(plan, call) == at + 4 * rows * 64
             args = plan.kernels[0].abi.params

@@ -201,12 +201,12 @@ VARLEN_ARGUMENTS = (
 )
 VARLEN_BUILD_THREADS = 1024  # varlen_tiles.cuh BUILD_THREADS
 # A dynamic schedule over a mask's block table: each table row's query blocks ranked by the key blocks
-# they visit (the longest first), built by the reset kernel, one CTA of ORDER_THREADS per row.
+# they visit (the longest first), built by the reset kernel, a CTA per row and ORDER_THREADS query blocks.
 ORDER_ARGUMENTS = (
     Param("tile_order", "int*", "ptr", lambda a: a.tile_order, "dynamic schedule: query blocks per table row, "
           "the most key blocks first (workspace)"),
 )
-ORDER_THREADS = 1024  # tiles.cuh ORDER_THREADS
+ORDER_THREADS = 256  # tiles.cuh ORDER_THREADS
 # The forward kernel as a programmatic dependent launch behind the call's own set-up kernel (launches);
 # a module switch so a probe can time the ordinary launch beside it (bench/sm90_ab_probe.py --ordinary).
 EARLY_AFTER_SETUP = True
@@ -512,9 +512,11 @@ class Sm90Forward(KernelFamily):
         else:
             grid = (min(tiles, sms) if dynamic else tiles, 1, 1)
         params = plan.kernels[0].abi.pack(args)
-        # The counter's reset; with a block table also the query blocks' order, a CTA per table row.
-        rows = mask_table.table_rows(plan.mask_table, call) if plan.tile_order else 1
-        reset = [Launch(plan.kernels[-1].symbol, (rows, 1, 1), (plan.kernels[-1].threads, 1, 1), 0, params)] \
+        # The counter's reset; with a block table also the query blocks' order, a CTA per table row and
+        # ORDER_THREADS query blocks.
+        order_grid = (mask_table.table_rows(plan.mask_table, call), -(-m_blocks // ORDER_THREADS), 1) \
+            if plan.tile_order else (1, 1, 1)
+        reset = [Launch(plan.kernels[-1].symbol, order_grid, (plan.kernels[-1].threads, 1, 1), 0, params)] \
             if dynamic else []
         return [*mask_table.launches(plan, call, params), *reset,
                 Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, params,
