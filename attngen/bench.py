@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import statistics
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ HEAD_DIMS = (64, 128)
 EXTRA = ((256, False, 16384, 1), (256, True, 16384, 1), (128, True, 8192, 4))
 WARMUP = 5
 REPEATS = 30
+SETTLE_SECONDS = 3.0  # settle_clock: the clock falls ~12% within seconds of sustained load
 # Launch overhead: (batch, seqlen, heads, head dim) at which the kernel itself takes microseconds.
 OVERHEAD_SHAPES = ((1, 128, 8, 64), (1, 1024, 8, 64))
 OVERHEAD_CALLS = 2000
@@ -59,6 +61,22 @@ def time_ms(fn, input_sets, warmup: int = WARMUP, repeats: int = REPEATS) -> flo
         ends[i].record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def settle_clock(fn, seconds: float = SETTLE_SECONDS) -> int:
+    """Calls fn() back to back for `seconds` of wall time, so that the timings after it see the clock a
+    sustained load settles at rather than a rested GPU's falling one (the masks bench's first case, two
+    kernels of one source, read 0.95x apart in a call that began on a rested GPU, even with its rounds'
+    order reversed: docs/perf-notes.md "The clock at a bench's start"). Returns the calls made."""
+    import torch
+
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(8):
+            fn()
+        calls += 8
+        torch.cuda.synchronize()
+    return calls
 
 
 ROUNDS = 6  # time_beside: runs per call, in turn with the others (an even count: the order reverses)

@@ -33,3 +33,18 @@ def test_calls_are_timed_in_turn_and_a_failing_one_is_reported(monkeypatch):
     # A clock that rises by one every run: a's runs read 2, 5, 6, 9 and b's 3, 4, 7, 8, both medians 5.5
     # (in the same order every round they would read 4.5 and 6.5: the drift credited to a).
     assert times == {"a": 5.5, "b": 5.5}
+
+
+def test_the_clock_is_settled_by_calls_for_the_seconds_asked(monkeypatch):
+    import time
+
+    import torch
+
+    now = iter(x * 0.25 for x in range(100))  # each reading a quarter second on
+    synced = []
+    monkeypatch.setattr(time, "perf_counter", lambda: next(now))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synced.append(1))
+    calls = []
+    made = bench.settle_clock(lambda: calls.append(1), seconds=1.0)
+    # Start at 0; checks at 0.25, 0.5, 0.75 go on, 1.0 stops: three batches of 8, each synchronized.
+    assert made == len(calls) == 24 and len(synced) == 3
