@@ -950,6 +950,12 @@ __device__ __forceinline__ int grid_size() {
 // CLUSTER_REGISTERS): a whole warp cost 2-2.5% per clock there, as it does under PAIRS
 // (docs/perf-notes.md "The clusters' lost 4%") ------------------------------------------------------
 constexpr bool PRODUCER_WARP = DYNAMIC;
+// DYNAMIC: the next tile is claimed CLAIM_LEAD blocks before a tile's last (produce) under LATE_CLAIM, as
+// the tile's round begins otherwise. Late at d128 and up (varlen documents' end 6.2% -> 2.0% of the CTAs
+// idle, causal + ALiBi -1.6 to -3.1%, document ids -0.8 to -1.7%); not at d64, whose causal 16k read +1.0
+// to +3.7% with it and whose CTAs end level either way (docs/perf-notes.md "The next tile claimed late").
+constexpr bool LATE_CLAIM = DYNAMIC && HEAD_DIM >= 128;
+constexpr int CLAIM_LEAD = 2;
 __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ, u32 sK, u32 sV, int tiles) {
     const bool leader = threadIdx.x == 0;
     if (leader) {
@@ -1005,28 +1011,38 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
             pipe.next = {t, tile, b};
             mbar_arrive(smem_u32(&pipe.tile_full));
         }
-        // DYNAMIC: the counter's answer is read by the warp only after this tile's first K/V loads are
-        // issued, so its round trip is not on the way to K0 (read here, the warp waited for it before
-        // every tile's loads: docs/perf-notes.md "The producer's K0 behind the counter").
+        // LATE_CLAIM: the next tile is claimed from the counter as block claim_at's stage frees, CLAIM_LEAD
+        // blocks before this tile's last (about CLAIM_LEAD + NUM_STAGES blocks before its consumers end
+        // it), and the answer read by the warp once that block's loads are out, so the round trip mostly
+        // stays off the way to a K load. Claimed as a tile began, a CTA held its next tile a whole tile
+        // ahead: one that began a long tile as the last section started had taken the next long one already.
+        // Otherwise (DYNAMIC) claimed here, as the round begins; the static schedules claim nothing (tile_index).
+        const int claim_at = LATE_CLAIM ? max(0, b.count() - CLAIM_LEAD) : 0;
         int fetched = 0, next = 0;
-        if constexpr (DYNAMIC) {
-            if (leader) fetched = atomicAdd(p.tile_counter, 1);
-        }
+        bool resolved = false;
+        auto claim_next = [&]() {
+            if constexpr (DYNAMIC) {
+                if (leader) fetched = atomicAdd(p.tile_counter, 1);
+            }
+        };
         auto resolve_next = [&]() {
             if constexpr (DYNAMIC) next = __shfl_sync(0xffffffffu, fetched, 0) + grid_size();  // %nctaid here: no register
             else next = tile_index(j + 1, tiles);
+            resolved = true;
         };
+        if constexpr (!LATE_CLAIM) claim_next();
         if (!q_ahead) {
             mbar_wait(q_free(j), q_free_parity(j));
             load_q(tile, j);
         }
         // The next tile's Q goes out a tile ahead, as soon as its buffer is free: tested (never waited
-        // on) after each block's loads, so a short tile's successor does not wait for its Q behind
-        // this tile's last K/V (docs/perf-notes.md "The next tile's Q a tile ahead"). With one Q
-        // buffer the next Q waits for this tile's output, at the next round.
+        // on) after each block's loads once the next tile is known (under LATE_CLAIM from block claim_at
+        // on), so a short tile's successor does not wait for its Q behind this tile's last K/V
+        // (docs/perf-notes.md "The next tile's Q a tile ahead"). With one Q buffer the next Q waits for
+        // this tile's output, at the next round.
         bool next_q = false;
         auto try_next_q = [&]() {
-            if (Q_BUFFERS < 2 || next_q || next >= tiles) return;
+            if (Q_BUFFERS < 2 || next_q || (LATE_CLAIM && !resolved) || next >= tiles) return;
             bool free = leader && mbar_test(q_free(j + 1), q_free_parity(j + 1));
             if constexpr (PRODUCER_WARP) free = __shfl_sync(0xffffffffu, free, 0);  // the warp agrees
             if (!free) return;
@@ -1041,6 +1057,7 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
             const int n0 = b.key0(it);
             // Wait until every consumer has released this stage's previous block.
             mbar_wait(smem_u32(&pipe.k_empty[stage]), phase ^ 1);
+            if (LATE_CLAIM && it == claim_at) claim_next();
             if (leader) {
                 const u32 k_full = smem_u32(&pipe.k_full[stage]);
                 mbar_expect_tx(k_full, KV_BYTES);
@@ -1054,10 +1071,13 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
                 load_kv(sV + stage * KV_BYTES, &p.tmap_v, v_full, first_key(tile) + n0, kv_head, tile.batch);
                 if (it == 0) trace(TRACE_PRODUCER, j, V0_ISSUED);
             }
-            if (it == 0) resolve_next();
+            if (it == claim_at) resolve_next();
             try_next_q();
         }
-        if (b.count() == 0) resolve_next();  // a tile without key blocks
+        if (b.count() == 0) {  // a tile without key blocks
+            if constexpr (LATE_CLAIM) claim_next();
+            resolve_next();
+        }
         try_next_q();
         q_ahead = next_q;
         t = next;
