@@ -717,6 +717,11 @@ __device__ __forceinline__ int blocks_per_head(const Params& p) {
     return PAIRS ? (p.m_blocks + 1) & ~1 : p.m_blocks;
 }
 
+// The call's tiles: every query block of every (batch, head), or under VARLEN the tile list's entries.
+__device__ __forceinline__ int tile_count(const Params& p) {
+    return VARLEN ? varlen_tiles(p) : blocks_per_head(p) * p.Hq * p.batch;
+}
+
 __device__ __forceinline__ Tile tile_of(const Params& p, int t) {
     if constexpr (VARLEN) return varlen_tile(p, t);
     if constexpr (DYNAMIC) {
@@ -849,8 +854,10 @@ __device__ __forceinline__ int smid() {
     asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
     return id;
 }
+// One thread a warpgroup stamps; the producer's events come from the one thread that issues the load
+// (its leader, or under LATE_CLAIM the claim thread's Q loads).
 __device__ __forceinline__ void trace(int wg, int j, int event, long long value = -1) {
-    if (threadIdx.x % WG_THREADS == 0 && blockIdx.x < TRACE_CTAS && wg < 3 && j < TRACE_TILES)
+    if ((wg == 2 || threadIdx.x % WG_THREADS == 0) && blockIdx.x < TRACE_CTAS && wg < 3 && j < TRACE_TILES)
         attngen_trace[blockIdx.x][wg][j][event] = value < 0 ? clock64() : value;
 }
 #else
@@ -890,6 +897,10 @@ struct Pipeline {
     // takes bar.arrive for no ordering and reported a named-barrier hand-over as a race).
     u64 tile_full, tile_empty;
     TileSlot next;
+    // LATE_CLAIM: the producer asks the claim thread for its next tile (claim_asked) and reads the answer
+    // from `claimed` once claim_done says it is there (claim_tiles).
+    u64 claim_asked, claim_done;
+    int claimed;
 };
 
 // gridDim.x read where it is used (asm volatile: not hoisted), so the producer's 24 registers do not
@@ -910,8 +921,51 @@ constexpr bool PRODUCER_WARP = DYNAMIC;
 // the tile's round begins otherwise. Late at d128 and up (varlen documents' end 6.2% -> 2.0% of the CTAs
 // idle, causal + ALiBi -1.6 to -3.1%, document ids -0.8 to -1.7%); not at d64, whose causal 16k read +1.0
 // to +3.7% with it and whose CTAs end level either way (docs/perf-notes.md "The next tile claimed late").
+// The claim goes through claim_tiles' thread, off the producer's loads (varlen documents a further -1.5 to
+// -3.0%, document ids -1.1 to -3.7%; docs/perf-notes.md "Who waits for the counter's answer").
 constexpr bool LATE_CLAIM = DYNAMIC && HEAD_DIM >= 128;
 constexpr int CLAIM_LEAD = 2;
+constexpr int NO_TILE = 0x7fffffff;  // LATE_CLAIM: the claim thread's answer past the last tile
+
+// Round j's Q (one thread) into buffer j % Q_BUFFERS, which the consumers free once that buffer's previous
+// tile's output has been stored from it (q_empty).
+__device__ __forceinline__ void load_q(const Params& p, Pipeline& pipe, u32 sQ, const Tile& tile, int j) {
+    const int qb = j % Q_BUFFERS;
+    const u32 q_full = smem_u32(&pipe.q_full[qb]);
+    mbar_expect_tx(q_full, Q_BYTES);
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+        tma_load(sQ + qb * Q_BYTES + c * Q_CHUNK, &p.tmap_q, q_full, c * 64, first_row(tile) + tile.m_block * BLOCK_M,
+                 tile.head, tile.batch);
+    trace(TRACE_PRODUCER, j, Q_ISSUED);
+}
+__device__ __forceinline__ u32 q_free(Pipeline& pipe, int j) { return smem_u32(&pipe.q_empty[j % Q_BUFFERS]); }
+__device__ __forceinline__ u32 q_free_parity(int j) { return ((j / Q_BUFFERS) & 1) ^ 1; }
+
+// LATE_CLAIM: one thread of the producer warpgroup's second warp claims the producer's next tiles from the
+// counter and loads their Q. Under the kernel's load an atomic's answer takes about a K block's load time
+// (2,000-3,000 clk): the producer warp, waiting for it in a register, held back its next K or V load wherever
+// the wait sat (read after the claim's own loads: +3.6% a steady block on the varlen documents; a block
+// later: +700 clk on each tile's K0), and testing for it there spilled the producer's 24 registers. The producer
+// asks (claim_asked) and takes the answer at its round's end (claim_done, `claimed`); the next tile's Q is
+// this thread's, loaded once its buffer frees (with one Q buffer, once this tile's output is stored: the
+// producer, which loaded it at its next round's start there, spilled at d256 with the thread beside it).
+// (The tile count is read again here: passed in, it was live into both branches. The producer is told the end
+// as NO_TILE, so its loop holds no tile count either.)
+__device__ __forceinline__ void claim_tiles(const Params& p, Pipeline& pipe, u32 sQ) {
+    const int tiles = tile_count(p);
+    if (tile_index(0, tiles) >= tiles) return;  // no first tile: the producer asks nothing
+#pragma unroll 1
+    for (int j = 0;; ++j) {
+        mbar_wait(smem_u32(&pipe.claim_asked), j & 1);
+        const int t = atomicAdd(p.tile_counter, 1) + grid_size();
+        pipe.claimed = t < tiles ? t : NO_TILE;
+        mbar_arrive(smem_u32(&pipe.claim_done));  // releases the store above to the producer's wait
+        if (t >= tiles) return;  // the producer's last question
+        mbar_wait(q_free(pipe, j + 1), q_free_parity(j + 1));  // with one Q buffer: once this tile's output is out
+        load_q(p, pipe, sQ, tile_of(p, t), j + 1);
+    }
+}
 __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ, u32 sK, u32 sV, int tiles) {
     const bool leader = threadIdx.x == 0;
     if (leader) {
@@ -919,20 +973,9 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
         tma_prefetch(&p.tmap_k);
         tma_prefetch(&p.tmap_v);
     }
-    // Round j's Q into buffer j % Q_BUFFERS, which the consumers free once that buffer's previous
-    // tile's output has been stored from it.
-    auto load_q = [&](const Tile& tile, int j) {
-        if (!leader) return;
-        const int qb = j % Q_BUFFERS;
-        const u32 q_full = smem_u32(&pipe.q_full[qb]);
-        mbar_expect_tx(q_full, Q_BYTES);
-#pragma unroll
-        for (int c = 0; c < CHUNKS; ++c)
-            tma_load(sQ + qb * Q_BYTES + c * Q_CHUNK, &p.tmap_q, q_full, c * 64, first_row(tile) + tile.m_block * BLOCK_M,
-                     tile.head, tile.batch);
-        trace(TRACE_PRODUCER, j, Q_ISSUED);
+    auto issue_q = [&](const Tile& tile, int j) {
+        if (leader) load_q(p, pipe, sQ, tile, j);
     };
-    auto q_free = [&](int j) { return smem_u32(&pipe.q_empty[j % Q_BUFFERS]); };
     // One K or V block into a stage: every chunk, or under CLUSTER this CTA's half of them into both
     // CTAs (each CTA's barrier expects the whole stage's bytes, half of them from the other CTA).
     // (The rank is read where it is used, as grid_size: not held in one of the producer's registers.)
@@ -946,13 +989,13 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
             }
         }
     };
-    auto q_free_parity = [](int j) { return ((j / Q_BUFFERS) & 1) ^ 1; };
     int g = 0;  // K/V blocks loaded so far: the ring's position runs on across tiles
     int t = tile_index(0, tiles);
-    bool q_ahead = false;  // round j's Q was issued during round j - 1
+    if (LATE_CLAIM && t >= tiles) t = NO_TILE;
+    bool q_ahead = false;  // round j's Q was issued during round j - 1 (LATE_CLAIM: by claim_tiles, from round 1 on)
 #pragma unroll 1
     for (int j = 0;; ++j) {
-        if (t >= tiles) {  // the end, once the consumers have read the last tile
+        if (LATE_CLAIM ? t == NO_TILE : t >= tiles) {  // the end, once the consumers have read the last tile
             mbar_wait(smem_u32(&pipe.tile_empty), (j & 1) ^ 1);
             if (leader) {
                 pipe.next.t = t;
@@ -967,42 +1010,48 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
             pipe.next = {t, tile, b};
             mbar_arrive(smem_u32(&pipe.tile_full));
         }
-        // LATE_CLAIM: the next tile is claimed from the counter as block claim_at's stage frees, CLAIM_LEAD
-        // blocks before this tile's last (about CLAIM_LEAD + NUM_STAGES blocks before its consumers end
-        // it), and the answer read by the warp once that block's loads are out, so the round trip mostly
-        // stays off the way to a K load. Claimed as a tile began, a CTA held its next tile a whole tile
-        // ahead: one that began a long tile as the last section started had taken the next long one already.
+        // LATE_CLAIM: the next tile is asked for as block claim_at's stage frees, CLAIM_LEAD blocks before
+        // this tile's last (about CLAIM_LEAD + NUM_STAGES blocks before its consumers end it), and the
+        // answer taken at the round's end (claim_tiles, which loads its Q). Claimed as a tile began, a CTA
+        // held its next tile a whole tile ahead: one that began a long tile as the last section started had
+        // taken the next long one already.
         // Otherwise (DYNAMIC) claimed here, as the round begins; the static schedules claim nothing (tile_index).
         const int claim_at = LATE_CLAIM ? max(0, b.count() - CLAIM_LEAD) : 0;
         int fetched = 0, next = 0;
-        bool resolved = false;
         auto claim_next = [&]() {
-            if constexpr (DYNAMIC) {
+            if constexpr (LATE_CLAIM) {
+                if (leader) mbar_arrive(smem_u32(&pipe.claim_asked));
+            } else if constexpr (DYNAMIC) {
                 if (leader) fetched = atomicAdd(p.tile_counter, 1);
             }
         };
         auto resolve_next = [&]() {
-            if constexpr (DYNAMIC) next = __shfl_sync(0xffffffffu, fetched, 0) + grid_size();  // %nctaid here: no register
-            else next = tile_index(j + 1, tiles);
-            resolved = true;
+            if constexpr (LATE_CLAIM) {
+                mbar_wait(smem_u32(&pipe.claim_done), j & 1);
+                next = pipe.claimed;
+            } else if constexpr (DYNAMIC) {
+                next = __shfl_sync(0xffffffffu, fetched, 0) + grid_size();  // %nctaid here: no register
+            } else {
+                next = tile_index(j + 1, tiles);
+            }
         };
         if constexpr (!LATE_CLAIM) claim_next();
-        if (!q_ahead) {
-            mbar_wait(q_free(j), q_free_parity(j));
-            load_q(tile, j);
+        if (LATE_CLAIM ? j == 0 : !q_ahead) {
+            mbar_wait(q_free(pipe, j), q_free_parity(j));
+            issue_q(tile, j);
         }
         // The next tile's Q goes out a tile ahead, as soon as its buffer is free: tested (never waited
-        // on) after each block's loads once the next tile is known (under LATE_CLAIM from block claim_at
-        // on), so a short tile's successor does not wait for its Q behind this tile's last K/V
-        // (docs/perf-notes.md "The next tile's Q a tile ahead"). With one Q buffer the next Q waits for
-        // this tile's output, at the next round.
+        // on) after each block's loads once the next tile is known, so a short tile's successor does not
+        // wait for its Q behind this tile's last K/V (docs/perf-notes.md "The next tile's Q a tile ahead";
+        // under LATE_CLAIM claim_tiles loads it). With one Q buffer the next Q waits for this tile's
+        // output, at the next round.
         bool next_q = false;
         auto try_next_q = [&]() {
-            if (Q_BUFFERS < 2 || next_q || (LATE_CLAIM && !resolved) || next >= tiles) return;
-            bool free = leader && mbar_test(q_free(j + 1), q_free_parity(j + 1));
+            if (Q_BUFFERS < 2 || LATE_CLAIM || next_q || next >= tiles) return;
+            bool free = leader && mbar_test(q_free(pipe, j + 1), q_free_parity(j + 1));
             if constexpr (PRODUCER_WARP) free = __shfl_sync(0xffffffffu, free, 0);  // the warp agrees
             if (!free) return;
-            load_q(tile_of(p, next), j + 1);  // worked out again at the next round (no Tile kept: stack)
+            issue_q(tile_of(p, next), j + 1);  // worked out again at the next round (no Tile kept: stack)
             next_q = true;
         };
         const int kv_head = tile.head / GQA_RATIO;  // query head h reads kv head h // ratio
@@ -1027,15 +1076,17 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
                 load_kv(sV + stage * KV_BYTES, &p.tmap_v, v_full, first_key(tile) + n0, kv_head, tile.batch);
                 if (it == 0) trace(TRACE_PRODUCER, j, V0_ISSUED);
             }
-            if (it == claim_at) resolve_next();
+            if (!LATE_CLAIM && it == claim_at) resolve_next();
             try_next_q();
         }
-        if (b.count() == 0) {  // a tile without key blocks
-            if constexpr (LATE_CLAIM) claim_next();
+        if constexpr (LATE_CLAIM) {
+            if (b.count() == 0) claim_next();  // a tile without key blocks
             resolve_next();
+        } else {
+            if (b.count() == 0) resolve_next();
+            try_next_q();
+            q_ahead = next_q;
         }
-        try_next_q();
-        q_ahead = next_q;
         t = next;
     }
     // CLUSTER: the other CTA's consumers release this CTA's stages until they finish, so this CTA (its
@@ -1758,7 +1809,8 @@ struct Consumer {
 // load the next tiles' Q while the current one runs, and (CARRY) issue a tile's last P V together
 // with the next tile's first S, its epilogue following once that P V is done. Warp specialisation:
 // warpgroup 0 is the producer, one thread of which streams Q (Q_BUFFERS deep) and the K/V blocks
-// through a NUM_STAGES-deep ring with TMA, completing on mbarriers; the ring runs on across tiles.
+// through a NUM_STAGES-deep ring with TMA, completing on mbarriers; the ring runs on across tiles
+// (LATE_CLAIM: a thread of its second warp claims the next tiles from the counter and loads their Q).
 // Warpgroups 1..CONSUMERS each own 64 query rows: S = Q K^T on wgmma (both operands in shared
 // memory), the online softmax in registers, O += P V on wgmma with P straight from registers.
 // OVERLAP issues S of block j+1 together with the P V of block j, in one turn; PINGPONG makes the
@@ -1803,6 +1855,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
         }
         mbar_init(smem_u32(&pipe.tile_full), 1);
         mbar_init(smem_u32(&pipe.tile_empty), CONSUMERS * WG_THREADS);
+        if constexpr (LATE_CLAIM) {
+            mbar_init(smem_u32(&pipe.claim_asked), 1);
+            mbar_init(smem_u32(&pipe.claim_done), 1);
+        }
         mbar_init_fence();
     }
     // Under CLUSTER the other CTA's multicasts and releases reach these barriers: both inits first.
@@ -1812,11 +1868,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
     // (family.py launches): the set-up above ran while that kernel did; nothing global is read or
     // written before it is done.
     pdl_wait();
-    const int tiles = VARLEN ? varlen_tiles(p) : blocks_per_head(p) * p.Hq * p.batch;
+    const int tiles = tile_count(p);
     const int wg = threadIdx.x / WG_THREADS;
     if (wg == 0) {
         if constexpr (SET_MAX_REGS) regs_dealloc<PRODUCER_REGS>();
         if (PRODUCER_WARP ? threadIdx.x < 32 : threadIdx.x == 0) produce(p, pipe, sQ, sK, sV, tiles);
+        else if (LATE_CLAIM && threadIdx.x == 32) claim_tiles(p, pipe, sQ);
     } else {
         if constexpr (SET_MAX_REGS) regs_alloc<CONSUMER_REGS>();
         // The warpgroup through a shuffle: ptxas then holds it, and Q's wgmma descriptors made from it, in

@@ -241,10 +241,15 @@ def test_bad_lengths_and_page_ids_poison_only_their_sequence(loads, page):
 # (and read their hints).
 LATE_WRITER = r"""
 extern "C" __global__ void late_write(int* d0, const int* s0, int n0, int* d1, const int* s1, int n1,
-                                      int* d2, const int* s2, int n2, long long delay, volatile int* done) {
+                                      int* d2, const int* s2, int n2, long long delay, volatile int* done,
+                                      volatile const int* go) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    // Wait for the host's word that the decode is enqueued (a busy host can take longer than any fixed
+    // delay), with a limit so a lost word cannot hang the GPU; then give the split kernel time to start.
     const long long t0 = clock64();
-    while (clock64() - t0 < delay) {}
+    while (*go == 0 && clock64() - t0 < 100 * delay) {}
+    const long long t1 = clock64();
+    while (clock64() - t1 < delay) {}
     for (int i = threadIdx.x; i < n0; i += blockDim.x) d0[i] = s0[i];
     for (int i = threadIdx.x; i < n1; i += blockDim.x) d1[i] = s1[i];
     for (int i = threadIdx.x; i < n2; i += blockDim.x) d2[i] = s2[i];
@@ -289,6 +294,7 @@ def test_a_split_kernel_started_early_sees_what_the_kernel_before_it_writes_late
     q = _q(B, 1, 4 * Hkv, 128, 23)
     late = cupy.RawKernel(LATE_WRITER, "late_write")
     done = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # mapped: the device writes it through UVA
+    go = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # mapped: the host tells the writer to go on
     stream = torch.cuda.Stream()  # not the legacy default stream
     # 8 splits: sequence 0's last split is its blocks 14-15, both in the ring's first loads, so under "grow"
     # the ids of keys 1000-1019 come from the guess's reads.
@@ -299,18 +305,20 @@ def test_a_split_kernel_started_early_sees_what_the_kernel_before_it_writes_late
             attngen.decode(q, kk, v, lens, page_table=tab, spec=spec, num_splits=num_splits)  # compiled and loaded
             stream.synchronize()
             done.zero_()
+            go.zero_()
             dst_page = kk[target].view(torch.int32)
             args = (cupy.asarray(lens), cupy.asarray(new_lens), np.int32(B), cupy.asarray(tab),
                     cupy.asarray(new_table), np.int32(tab.numel()), cupy.asarray(dst_page),
                     cupy.asarray(new_page.view(torch.int32)), np.int32(dst_page.numel()), np.int64(20_000_000),
-                    np.uint64(done.data_ptr()))
+                    np.uint64(done.data_ptr()), np.uint64(go.data_ptr()))
             with cupy.cuda.ExternalStream(stream.cuda_stream):
                 late((1,), (256,), args)
             out, lse = attngen.decode(q, kk, v, lens, page_table=tab, spec=spec, num_splits=num_splits,
                                       return_lse=True)
             enqueued_while_writing = int(done[0]) == 0
+            go.fill_(1)
             stream.synchronize()
-        assert enqueued_while_writing, "the writer (~10 ms) ended before the decode was launched: nothing tested"
+        assert enqueued_while_writing, "the writer waited ~1 s for the decode's launch and went on: nothing tested"
         assert int(done[0]) == 1
         assert torch.equal(lens, new_lens) and torch.equal(tab, new_table) and torch.equal(kk[target], new_page)
         ref, ref_lse = reference.decode_attention(q, kk, v, new_lens.cpu(), spec, page_table=new_table.cpu())

@@ -17,7 +17,8 @@
 // load the next tiles' Q while the current one runs, and (CARRY) issue a tile's last P V together
 // with the next tile's first S, its epilogue following once that P V is done. Warp specialisation:
 // warpgroup 0 is the producer, one thread of which streams Q (Q_BUFFERS deep) and the K/V blocks
-// through a NUM_STAGES-deep ring with TMA, completing on mbarriers; the ring runs on across tiles.
+// through a NUM_STAGES-deep ring with TMA, completing on mbarriers; the ring runs on across tiles
+// (LATE_CLAIM: a thread of its second warp claims the next tiles from the counter and loads their Q).
 // Warpgroups 1..CONSUMERS each own 64 query rows: S = Q K^T on wgmma (both operands in shared
 // memory), the online softmax in registers, O += P V on wgmma with P straight from registers.
 // OVERLAP issues S of block j+1 together with the P V of block j, in one turn; PINGPONG makes the
@@ -62,6 +63,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
         }
         mbar_init(smem_u32(&pipe.tile_full), 1);
         mbar_init(smem_u32(&pipe.tile_empty), CONSUMERS * WG_THREADS);
+        if constexpr (LATE_CLAIM) {
+            mbar_init(smem_u32(&pipe.claim_asked), 1);
+            mbar_init(smem_u32(&pipe.claim_done), 1);
+        }
         mbar_init_fence();
     }
     // Under CLUSTER the other CTA's multicasts and releases reach these barriers: both inits first.
@@ -71,11 +76,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const Params& p) {
     // (family.py launches): the set-up above ran while that kernel did; nothing global is read or
     // written before it is done.
     pdl_wait();
-    const int tiles = VARLEN ? varlen_tiles(p) : blocks_per_head(p) * p.Hq * p.batch;
+    const int tiles = tile_count(p);
     const int wg = threadIdx.x / WG_THREADS;
     if (wg == 0) {
         if constexpr (SET_MAX_REGS) regs_dealloc<PRODUCER_REGS>();
         if (PRODUCER_WARP ? threadIdx.x < 32 : threadIdx.x == 0) produce(p, pipe, sQ, sK, sV, tiles);
+        else if (LATE_CLAIM && threadIdx.x == 32) claim_tiles(p, pipe, sQ);
     } else {
         if constexpr (SET_MAX_REGS) regs_alloc<CONSUMER_REGS>();
         // The warpgroup through a shuffle: ptxas then holds it, and Q's wgmma descriptors made from it, in

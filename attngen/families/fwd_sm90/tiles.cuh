@@ -86,6 +86,11 @@ __device__ __forceinline__ int blocks_per_head(const Params& p) {
     return PAIRS ? (p.m_blocks + 1) & ~1 : p.m_blocks;
 }
 
+// The call's tiles: every query block of every (batch, head), or under VARLEN the tile list's entries.
+__device__ __forceinline__ int tile_count(const Params& p) {
+    return VARLEN ? varlen_tiles(p) : blocks_per_head(p) * p.Hq * p.batch;
+}
+
 __device__ __forceinline__ Tile tile_of(const Params& p, int t) {
     if constexpr (VARLEN) return varlen_tile(p, t);
     if constexpr (DYNAMIC) {

@@ -22,8 +22,10 @@ __device__ __forceinline__ int smid() {
     asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
     return id;
 }
+// One thread a warpgroup stamps; the producer's events come from the one thread that issues the load
+// (its leader, or under LATE_CLAIM the claim thread's Q loads).
 __device__ __forceinline__ void trace(int wg, int j, int event, long long value = -1) {
-    if (threadIdx.x % WG_THREADS == 0 && blockIdx.x < TRACE_CTAS && wg < 3 && j < TRACE_TILES)
+    if ((wg == 2 || threadIdx.x % WG_THREADS == 0) && blockIdx.x < TRACE_CTAS && wg < 3 && j < TRACE_TILES)
         attngen_trace[blockIdx.x][wg][j][event] = value < 0 ? clock64() : value;
 }
 #else
