@@ -837,10 +837,11 @@ __device__ __forceinline__ int smid() {
     asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
     return id;
 }
-// One thread a warpgroup stamps; the producer's events come from the one thread that issues the load
-// (its leader, or under LATE_CLAIM the claim thread's Q loads).
+// One thread a warpgroup stamps; the producer's events (slot 2, from warpgroup 0's threads) come from the one
+// thread that issues the load (its leader, or under LATE_CLAIM the claim thread's Q loads).
 __device__ __forceinline__ void trace(int wg, int j, int event, long long value = -1) {
-    if ((wg == 2 || threadIdx.x % WG_THREADS == 0) && blockIdx.x < TRACE_CTAS && wg < 3 && j < TRACE_TILES)
+    const bool stamps = wg == 2 && threadIdx.x < WG_THREADS ? true : threadIdx.x % WG_THREADS == 0;
+    if (stamps && blockIdx.x < TRACE_CTAS && wg < 3 && j < TRACE_TILES)
         attngen_trace[blockIdx.x][wg][j][event] = value < 0 ? clock64() : value;
 }
 #else
@@ -1012,6 +1013,7 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
             if constexpr (LATE_CLAIM) {
                 mbar_wait(smem_u32(&pipe.claim_done), j & 1);
                 next = pipe.claimed;
+                __syncwarp();  // every lane has read it before lane 0 can ask again (the slot's next answer)
             } else if constexpr (DYNAMIC) {
                 next = __shfl_sync(0xffffffffu, fetched, 0) + grid_size();  // %nctaid here: no register
             } else {

@@ -155,6 +155,7 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
             if constexpr (LATE_CLAIM) {
                 mbar_wait(smem_u32(&pipe.claim_done), j & 1);
                 next = pipe.claimed;
+                __syncwarp();  // every lane has read it before lane 0 can ask again (the slot's next answer)
             } else if constexpr (DYNAMIC) {
                 next = __shfl_sync(0xffffffffu, fetched, 0) + grid_size();  // %nctaid here: no register
             } else {
