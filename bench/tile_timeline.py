@@ -18,9 +18,9 @@ import sys
 import numpy as np
 
 EVENTS = ["TILE_WAIT", "TILE_READY", "Q_READY", "FIRST_SOFTMAX", "LAST_PV", "STORED", "KEY_BLOCKS", "SM", "K0_READY",
-          "TURN0", "S0_READY", "Q_ISSUED", "K0_ISSUED", "V0_ISSUED", "S0_MASKED"]
+          "TURN0", "S0_READY", "Q_ISSUED", "K0_ISSUED", "V0_ISSUED", "S0_MASKED", "SOFTMAX0_DONE", "PREVIOUS_PV"]
 E = {name: i for i, name in enumerate(EVENTS)}
-SHAPE = (1024, 3, 32, 16)  # trace.cuh attngen_trace: [cta][warpgroup 0, 1, producer][tile][event]
+SHAPE = (1024, 3, 32, 18)  # trace.cuh attngen_trace: [cta][warpgroup 0, 1, producer][tile][event]
 
 
 def cases(torch, attngen):
@@ -124,9 +124,25 @@ def summarise(name: str, trace: np.ndarray, ms: float) -> None:
                      f"per tile (clk): " + ", ".join(f"{k} {v / len(n):.0f}" for k, v in sums.items())
                      + f", gap {gap.mean() if len(gap) else 0:.0f}; fixed {fixed:.0f} clk = {fixed / steady:.2f} blocks"
                      + f"; K0 issued {k0_early.mean():.0f} clk before Q ready, ready {k0_load.mean():.0f} after issue")
+        lines.extend(first_softmax_split(wg, t, done))
     lines.extend(lone_tiles(trace))
     lines.extend(late_ctas(trace))
     print("\n".join(lines), flush=True)
+
+
+def first_softmax_split(wg: int, t: np.ndarray, done: np.ndarray) -> list[str]:
+    """The softmax0 phase of tiles that carried the previous tile's last P V (CARRY) split: the first block's
+    softmax, the wait for that P V, and the rest (the previous tile's output staged and stored, O zeroed, P made)."""
+    carried = done & (t[..., E["PREVIOUS_PV"]] > 0)
+    if not carried.any():
+        return []
+    parts = {
+        "softmax": t[..., E["SOFTMAX0_DONE"]] - t[..., E["S0_MASKED"]],
+        "previous P V wait": t[..., E["PREVIOUS_PV"]] - t[..., E["SOFTMAX0_DONE"]],
+        "previous output, O zeroed, P": t[..., E["FIRST_SOFTMAX"]] - t[..., E["PREVIOUS_PV"]],
+    }
+    return [f"  wg{wg} softmax0 of {int(carried.sum())} carrying tiles (clk): "
+            + ", ".join(f"{k} {float(v[carried].mean()):.0f}" for k, v in parts.items())]
 
 
 def late_ctas(trace: np.ndarray, count: int = 3) -> list[str]:

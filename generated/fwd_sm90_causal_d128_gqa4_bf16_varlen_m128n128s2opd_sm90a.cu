@@ -837,7 +837,7 @@ namespace fa90 {
 // A development timeline (bench/tile_timeline.py defines ATTNGEN_TRACE): per CTA, consumer warpgroup
 // and tile, the SM clock at TRACE_EVENTS points of the tile, its key-block count and the SM.
 #ifdef ATTNGEN_TRACE
-constexpr int TRACE_CTAS = 1024, TRACE_TILES = 32, TRACE_EVENTS = 16;
+constexpr int TRACE_CTAS = 1024, TRACE_TILES = 32, TRACE_EVENTS = 18;
 __device__ long long attngen_trace[TRACE_CTAS][3][TRACE_TILES][TRACE_EVENTS];  // warpgroups 0, 1; 2: the producer
 // The clock once every score is computed (the stamp waits for them).
 template <int N>
@@ -868,7 +868,7 @@ template <int N>
 __device__ __forceinline__ long long fence_clock(const float (&)[N]) { return 0; }
 #endif
 enum TraceEvent { TILE_WAIT, TILE_READY, Q_READY, FIRST_SOFTMAX, LAST_PV, STORED, KEY_BLOCKS, SM, K0_READY, TURN0,
-                  S0_READY, Q_ISSUED, K0_ISSUED, V0_ISSUED, S0_MASKED };
+                  S0_READY, Q_ISSUED, K0_ISSUED, V0_ISSUED, S0_MASKED, SOFTMAX0_DONE, PREVIOUS_PV };
 constexpr int TRACE_PRODUCER = 2;
 
 }  // namespace fa90
@@ -1656,9 +1656,11 @@ struct Consumer {
         prepare_scores(s, row0, b, 0, p, tile, lane);
         trace(wg, j, S0_MASKED, fence_clock(s));
         softmax_step(s, row_max, row_sum, alpha, score_log2(p));
+        trace(wg, j, SOFTMAX0_DONE, fence_clock(s));
         if constexpr (CARRIED) {
             wgmma_wait<0>();
             fence_regs(o);
+            trace(wg, j, PREVIOUS_PV);
             release_v(done.last);
             store_output();
         }

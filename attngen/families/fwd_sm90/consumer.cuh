@@ -298,9 +298,11 @@ struct Consumer {
         prepare_scores(s, row0, b, 0, p, tile, lane);
         trace(wg, j, S0_MASKED, fence_clock(s));
         softmax_step(s, row_max, row_sum, alpha, score_log2(p));
+        trace(wg, j, SOFTMAX0_DONE, fence_clock(s));
         if constexpr (CARRIED) {
             wgmma_wait<0>();
             fence_regs(o);
+            trace(wg, j, PREVIOUS_PV);
             release_v(done.last);
             store_output();
         }

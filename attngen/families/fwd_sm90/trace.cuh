@@ -5,7 +5,7 @@ namespace fa90 {
 // A development timeline (bench/tile_timeline.py defines ATTNGEN_TRACE): per CTA, consumer warpgroup
 // and tile, the SM clock at TRACE_EVENTS points of the tile, its key-block count and the SM.
 #ifdef ATTNGEN_TRACE
-constexpr int TRACE_CTAS = 1024, TRACE_TILES = 32, TRACE_EVENTS = 16;
+constexpr int TRACE_CTAS = 1024, TRACE_TILES = 32, TRACE_EVENTS = 18;
 __device__ long long attngen_trace[TRACE_CTAS][3][TRACE_TILES][TRACE_EVENTS];  // warpgroups 0, 1; 2: the producer
 // The clock once every score is computed (the stamp waits for them).
 template <int N>
@@ -36,7 +36,7 @@ template <int N>
 __device__ __forceinline__ long long fence_clock(const float (&)[N]) { return 0; }
 #endif
 enum TraceEvent { TILE_WAIT, TILE_READY, Q_READY, FIRST_SOFTMAX, LAST_PV, STORED, KEY_BLOCKS, SM, K0_READY, TURN0,
-                  S0_READY, Q_ISSUED, K0_ISSUED, V0_ISSUED, S0_MASKED };
+                  S0_READY, Q_ISSUED, K0_ISSUED, V0_ISSUED, S0_MASKED, SOFTMAX0_DONE, PREVIOUS_PV };
 constexpr int TRACE_PRODUCER = 2;
 
 }  // namespace fa90
