@@ -837,11 +837,11 @@ __device__ __forceinline__ int smid() {
     asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
     return id;
 }
-// One thread a warpgroup stamps; the producer's events (slot 2, from warpgroup 0's threads) come from the one
-// thread that issues the load (its leader, or under LATE_CLAIM the claim thread's Q loads).
+// One thread a warpgroup stamps. The producer's events (slot 2 from warpgroup 0's threads) come from whichever
+// one thread issues the load: its leader, or under LATE_CLAIM the claim thread (thread 32) for the Q loads.
 __device__ __forceinline__ void trace(int wg, int j, int event, long long value = -1) {
-    const bool stamps = wg == 2 && threadIdx.x < WG_THREADS ? true : threadIdx.x % WG_THREADS == 0;
-    if (stamps && blockIdx.x < TRACE_CTAS && wg < 3 && j < TRACE_TILES)
+    const bool producer = wg == 2 && threadIdx.x < WG_THREADS;
+    if ((producer || threadIdx.x % WG_THREADS == 0) && blockIdx.x < TRACE_CTAS && wg < 3 && j < TRACE_TILES)
         attngen_trace[blockIdx.x][wg][j][event] = value < 0 ? clock64() : value;
 }
 #else
