@@ -316,6 +316,20 @@ def causal_shaped(text: str) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=256)
+def band_shaped(text: str) -> bool:
+    """Whether a mask is none, causal or a band (attngen/maskc/bands.py: every row sees one interval of
+    keys whose ends are affine in the row: a sliding window, `q_idx >= kv_idx`, a context-parallel shard's
+    `kv_idx + kv_offset <= q_idx + q_offset`). The kernels mask such rows as they mask the built-in causal's,
+    by the row's two bounds, with no predicate and no input read per element, so a family may give it the
+    tile it gives none and causal: no more registers live (tests/test_mask_bands.py compiles them without
+    spills at every head dim). Chunks (`//`) and masks that read inputs at an index are not bands."""
+    from attngen.maskc.bands import band
+
+    mask = get_mask(text)
+    return mask.text in ("none", "causal") or band(mask.program.ir) is not None
+
+
 def mask_problem(problem, per_sequence_tiles: bool = False) -> str | None:
     """Why a problem's mask cannot be lowered (None when it can): for a family's supports(). A varlen
     problem (packed sequences) needs a family whose tiles follow the sequences (per_sequence_tiles)."""

@@ -43,6 +43,15 @@ def test_masks_match_the_reference(gpu_family, text, B, Sq, Sk, Hkv, ratio):
     check(AttentionSpec(head_dim=128, mask=text, gqa_ratio=ratio, family=gpu_family), B, Sq, Sk, Hkv, ratio)
 
 
+# Bands take the built-ins' tiles (masks.band_shaped), which differ by head dim: each band at each head dim.
+@pytest.mark.parametrize("text", ["q_idx >= kv_idx", "sliding_window(37, 11)",
+                                  "kv_idx + kv_len - q_len <= q_idx and q_idx - kv_idx < 200"])
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+def test_bands_match_the_reference_at_every_head_dim(gpu_family, text, head_dim):
+    for B, Sq, Sk, Hkv, ratio in SHAPES:
+        check(AttentionSpec(head_dim=head_dim, mask=text, gqa_ratio=ratio, family=gpu_family), B, Sq, Sk, Hkv, ratio)
+
+
 # Each modifier once, under a different mask and head dim (every combination would be a compile each).
 @pytest.mark.parametrize("modifier, mask, head_dim", list(zip(MODIFIERS, ("none", "causal", "sliding_window(100, 20)",
                                                                           "causal"), (64, 128, 256, 96))))

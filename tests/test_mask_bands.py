@@ -21,7 +21,7 @@ from attngen import families, mask_table, masks, targets
 from attngen.build.nvcc import find_nvcc
 from attngen.maskc import compile_mask, cuda_preamble
 from attngen.maskc.bands import band
-from attngen.spec import AttentionSpec
+from attngen.spec import HEAD_DIMS, AttentionSpec
 
 BANDS = ["q_idx >= kv_idx", "kv_idx <= q_idx", "not (kv_idx > q_idx)", "q_idx - kv_idx < 4096 and kv_idx <= q_idx",
          "0 <= q_idx - kv_idx < 4", "kv_idx < 10", "kv_idx >= 7", "kv_idx == q_idx", "kv_idx - 3 == q_idx",
@@ -103,20 +103,22 @@ def test_a_band_spelling_of_causal_has_causals_bounds():
         assert ours.closed_bounds(m0, m1, S, S) == causal.closed_bounds(m0, m1, S, S)
 
 
-def _rendered(text: str) -> tuple[str, object]:
-    spec = AttentionSpec(head_dim=128, dtype="bf16", mask=text, family="fwd_sm90")
+def _rendered(text: str, family: str = "fwd_sm90", head_dim: int = 128, dtype: str = "bf16") -> tuple[str, object]:
+    spec = AttentionSpec(head_dim=head_dim, dtype=dtype, mask=text, family=family)
     target = targets.target("sm_90a")
     plan = families.plan_spec(spec, target)
-    return families.get_family("fwd_sm90").render(plan), plan
+    return families.get_family(family).render(plan), plan
 
 
-def test_a_band_compiles_to_the_built_in_causal_kernel_but_for_its_predicate():
-    """`mask: "q_idx >= kv_idx"` must run as the built-in causal (issue 10's 3% bar): same schedule, closed-form
-    bounds, row-interval masking and no block table; its source differs only in names, comments, the element
-    predicate's expression and the bounds' expressions."""
-    ours, ours_plan = _rendered("q_idx >= kv_idx")
-    causal, causal_plan = _rendered("causal")
-    assert mask_table.for_problem(AttentionSpec(head_dim=128, mask="q_idx >= kv_idx").problem) is None
+@pytest.mark.parametrize("family", ["fwd_sm90", "fwd_sm80"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_a_band_compiles_to_the_built_in_causal_kernel_but_for_its_predicate(family, head_dim):
+    """`mask: "q_idx >= kv_idx"` must run as the built-in causal on each family (issue 10's 3% bar): the same
+    config and schedule, closed-form bounds, row-interval masking and no block table; its source differs only in
+    names, comments, the element predicate's expression and the bounds' expressions."""
+    ours, ours_plan = _rendered("q_idx >= kv_idx", family, head_dim)
+    causal, causal_plan = _rendered("causal", family, head_dim)
+    assert mask_table.for_problem(AttentionSpec(head_dim=head_dim, mask="q_idx >= kv_idx").problem) is None
     assert "constexpr bool ROW_INTERVAL = true;" in ours and "_mask_table(" not in ours
     assert ours_plan.config == causal_plan.config
     ours, causal = (src.replace(plan.name, "NAME").splitlines() for src, plan in ((ours, ours_plan),
@@ -125,6 +127,46 @@ def test_a_band_compiles_to_the_built_in_causal_kernel_but_for_its_predicate():
                if line[:1] in "+-" and not line.startswith(("+++", "---"))]
     allowed = re.compile(r"^[+-]\s*(//.*|return .*;)$")
     assert changed and all(allowed.match(line) for line in changed), "\n".join(changed)
+
+
+def test_bands_take_causals_tile_and_other_expressions_do_not():
+    """Which masks get the built-ins' tiles (masks.band_shaped): bands, whose rows are masked by two bounds; not
+    chunks (`//`), masks that read inputs at an index, or any expression with a score modifier or a sink."""
+    assert all(masks.band_shaped(m) for m in ("none", "causal", "q_idx >= kv_idx", "sliding_window(4095, 0)", OFFSETS))
+    assert not any(masks.band_shaped(m) for m in ("chunked(8192)", "doc[b, q_idx] == doc[b, kv_idx] and causal",
+                                                  "prefix_lm(plen[b])", "kv_idx % 5 != 2 or causal"))
+    sm80 = families.get_family("fwd_sm80")
+    target = targets.target("sm_80")
+
+    def tile(**fields):
+        return sm80.default_config(AttentionSpec(head_dim=128, **fields).problem, target)
+
+    assert tile(mask="q_idx >= kv_idx") == tile(mask="sliding_window(4095, 0)") == tile(mask="causal")
+    assert tile(mask="chunked(8192)") != tile(mask="causal")  # its bounds divide: the expressions' tile
+    assert tile(mask="q_idx >= kv_idx", score_mod="softcap(30)") != tile(mask="causal")
+
+
+@pytest.mark.parametrize("family", ["fwd_sm90", "fwd_sm80"])
+def test_bands_compile_without_spills_at_the_tiles_they_take(family):
+    """The default config of a band at every head dim (causal's on fwd_sm80; on fwd_sm90 causal's for a causal-shaped
+    band, the expressions' for a window) compiles without spills, scalar inputs included."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from attngen.build import nvcc
+
+    if find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    target = targets.target("sm_90a" if family == "fwd_sm90" else "sm_80")
+    cases = [(d, m) for d in HEAD_DIMS for m in ("q_idx >= kv_idx", "sliding_window(4095, 0)", OFFSETS)]
+
+    def spills(case):
+        head_dim, mask = case
+        plan = families.plan_spec(AttentionSpec(head_dim=head_dim, dtype="bf16", mask=mask, family=family), target)
+        return case, plan.config.label(), nvcc.check_plan(plan).spill_bytes
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(spills, cases))
+    assert all(spilled == 0 for _, _, spilled in results), results
 
 
 # Lengths and rows for the C++ check: small, random, and near int32's end (the bounds are 64-bit inside).

@@ -164,14 +164,18 @@ def test_causal_shaped_masks_are_those_with_causal_tiles(text, shaped):
 
 
 def test_a_causal_shaped_expression_takes_causal_schedule_on_fwd_sm90():
-    """Its tile and stages stay the expression defaults' (register budget), its schedule is causal's."""
+    """A band of causal's shape (`q_idx >= kv_idx`, masked as causal is) takes causal's whole config; any other
+    causal-shaped mask (prefix_lm(16): an `or`, a predicate per element) keeps the expression defaults' tile and
+    stages (register budget), with causal's schedule."""
     target = targets.target("sm_90a")
     family = families.get_family("fwd_sm90")
     for head_dim, gqa in ((64, 1), (128, 1), (128, 4), (256, 1)):
         def config(mask):
             problem = AttentionSpec(head_dim=head_dim, gqa_ratio=gqa, mask=mask).problem
             return family.default_config(problem, target)
-        shaped, window, causal = config("q_idx >= kv_idx"), config("sliding_window(100, 0)"), config("causal")
+        band, shaped, window, causal = (config(m) for m in ("q_idx >= kv_idx", "prefix_lm(16)",
+                                                            "sliding_window(100, 0)", "causal"))
+        assert band == causal
         assert shaped.schedule == causal.schedule
         assert dataclasses.replace(shaped, schedule=window.schedule) == window
 
