@@ -89,10 +89,12 @@ def _window(left: int, right: int) -> ClosedForm:
 
 def _chunked(size: int) -> ClosedForm:
     """chunked(size): row q sees the keys of its chunk (q + d) // size. Rows [m0, m1) see chunks c0..c1;
-    when c0 == c1 every row sees the whole chunk, else no key is visible to all."""
+    when c0 == c1 every row sees the whole chunk, else no key is visible to all. The chunk indices are
+    divided in 32 bits (a 64-bit division held fwd_sm80's d128 tile past its registers: 72 bytes spilled):
+    a row past Sq (the last tile's padding, never stored) counts as row Sq, so (row - Sq) + Sk lies in
+    [-Sq, Sk] and never overflows; the products stay 64-bit."""
     c = _clamped
-    d = "((long long)Sk - Sq)"
-    c0, c1 = f"maskc_floordiv((long long)m0 + {d}, {size}LL)", f"maskc_floordiv((long long)m1 - 1 + {d}, {size}LL)"
+    c0, c1 = (f"(long long)maskc_floordiv32(min({row}, Sq) - Sq + Sk, {size})" for row in ("m0", "m1 - 1"))
     cuda = (c(f"{c0} * {size}LL"), c(f"({c1} + 1) * {size}LL"), c(f"{c0} * {size}LL"),
             c(f"({c0} == {c1} ? {c0} + 1 : {c0}) * {size}LL"))
 
@@ -316,18 +318,14 @@ def causal_shaped(text: str) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=256)
-def band_shaped(text: str) -> bool:
-    """Whether a mask is none, causal or a band (attngen/maskc/bands.py: every row sees one interval of
-    keys whose ends are affine in the row: a sliding window, `q_idx >= kv_idx`, a context-parallel shard's
-    `kv_idx + kv_offset <= q_idx + q_offset`). The kernels mask such rows as they mask the built-in causal's,
-    by the row's two bounds, with no predicate and no input read per element, so a family may give it the
-    tile it gives none and causal: no more registers live (tests/test_mask_bands.py compiles them without
-    spills at every head dim). Chunks (`//`) and masks that read inputs at an index are not bands."""
-    from attngen.maskc.bands import band
-
-    mask = get_mask(text)
-    return mask.text in ("none", "causal") or band(mask.program.ir) is not None
+def row_interval(text: str) -> bool:
+    """Whether a mask has a closed form (the built-ins none, causal, sliding windows, chunks and their
+    conjunctions, and bands, attngen/maskc/bands.py: `q_idx >= kv_idx`, a context-parallel shard's
+    `kv_idx + kv_offset <= q_idx + q_offset`). The kernels mask such rows as they mask the built-in
+    causal's, by the row's two bounds (ROW_INTERVAL), with no predicate and no input read per element, so
+    a family may give it the tile it gives none and causal: no more registers live (tests/test_mask_bands.py
+    compiles them without spills at every head dim). Masks that read inputs at an index are not."""
+    return get_mask(text).closed is not None
 
 
 def mask_problem(problem, per_sequence_tiles: bool = False) -> str | None:

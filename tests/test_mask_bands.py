@@ -129,27 +129,31 @@ def test_a_band_compiles_to_the_built_in_causal_kernel_but_for_its_predicate(fam
     assert changed and all(allowed.match(line) for line in changed), "\n".join(changed)
 
 
-def test_bands_take_causals_tile_and_other_expressions_do_not():
-    """Which masks get the built-ins' tiles (masks.band_shaped): bands, whose rows are masked by two bounds; not
-    chunks (`//`), masks that read inputs at an index, or any expression with a score modifier or a sink."""
-    assert all(masks.band_shaped(m) for m in ("none", "causal", "q_idx >= kv_idx", "sliding_window(4095, 0)", OFFSETS))
-    assert not any(masks.band_shaped(m) for m in ("chunked(8192)", "doc[b, q_idx] == doc[b, kv_idx] and causal",
-                                                  "prefix_lm(plen[b])", "kv_idx % 5 != 2 or causal"))
+def test_masks_with_closed_forms_take_causals_tile_and_other_expressions_do_not():
+    """Which masks get the built-ins' tiles (masks.row_interval): those with a closed form (built-ins, their
+    conjunctions, bands), whose rows are masked by two bounds; not masks without one (an `or`, inputs read at an
+    index), nor any expression with a score modifier or a sink."""
+    assert all(masks.row_interval(m) for m in ("none", "causal", "q_idx >= kv_idx", "sliding_window(4095, 0)", OFFSETS,
+                                               "chunked(8192)", "causal and chunked(100)"))
+    assert not any(masks.row_interval(m) for m in ("prefix_lm(16)", "doc[b, q_idx] == doc[b, kv_idx] and causal",
+                                                   "prefix_lm(plen[b])", "kv_idx % 5 != 2 or causal"))
     sm80 = families.get_family("fwd_sm80")
     target = targets.target("sm_80")
 
     def tile(**fields):
         return sm80.default_config(AttentionSpec(head_dim=128, **fields).problem, target)
 
-    assert tile(mask="q_idx >= kv_idx") == tile(mask="sliding_window(4095, 0)") == tile(mask="causal")
-    assert tile(mask="chunked(8192)") != tile(mask="causal")  # its bounds divide: the expressions' tile
+    assert tile(mask="q_idx >= kv_idx") == tile(mask="sliding_window(4095, 0)") == tile(mask="chunked(8192)") \
+        == tile(mask="causal")
+    assert tile(mask="prefix_lm(16)") != tile(mask="causal")  # a predicate per element: the expressions' tile
     assert tile(mask="q_idx >= kv_idx", score_mod="softcap(30)") != tile(mask="causal")
 
 
 @pytest.mark.parametrize("family", ["fwd_sm90", "fwd_sm80"])
-def test_bands_compile_without_spills_at_the_tiles_they_take(family):
-    """The default config of a band at every head dim (causal's on fwd_sm80; on fwd_sm90 causal's for a causal-shaped
-    band, the expressions' for a window) compiles without spills, scalar inputs included."""
+def test_closed_forms_compile_without_spills_at_the_tiles_they_take(family):
+    """The default config of a mask with a closed form at every head dim (causal's on fwd_sm80; on fwd_sm90 causal's
+    for a causal-shaped one, the expressions' for a window or chunks) compiles without spills, scalar inputs and
+    chunks' divisions included."""
     from concurrent.futures import ThreadPoolExecutor
 
     from attngen.build import nvcc
@@ -157,7 +161,8 @@ def test_bands_compile_without_spills_at_the_tiles_they_take(family):
     if find_nvcc() is None:
         pytest.skip("nvcc not found")
     target = targets.target("sm_90a" if family == "fwd_sm90" else "sm_80")
-    cases = [(d, m) for d in HEAD_DIMS for m in ("q_idx >= kv_idx", "sliding_window(4095, 0)", OFFSETS)]
+    cases = [(d, m) for d in HEAD_DIMS
+             for m in ("q_idx >= kv_idx", "sliding_window(4095, 0)", OFFSETS, "causal and chunked(100)")]
 
     def spills(case):
         head_dim, mask = case
@@ -185,7 +190,8 @@ def _cases(r: random.Random) -> list[tuple[int, int, int, int]]:
 def test_emitted_bounds_match_the_python_ones(tmp_path):
     r = random.Random(0)
     texts = BANDS + [
-        "kv_idx >= q_idx - 1000 and kv_idx < q_idx + kv_len - q_len + 7", "kv_idx == q_idx + kv_len - q_len"]
+        "kv_idx >= q_idx - 1000 and kv_idx < q_idx + kv_len - q_len + 7", "kv_idx == q_idx + kv_len - q_len",
+        "chunked(100)", "chunked(8192) and causal", "chunked(1073741824)"]  # chunks divide in 32 bits
     cases = _cases(r)
     values = {"q_offset": 2**31 - 5, "kv_offset": -(2**31) + 3, "lim": 123456}  # int32's ends, in 64 bits inside
     functions, calls = [], []

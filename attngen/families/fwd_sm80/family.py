@@ -33,7 +33,7 @@ from attngen.families.base import (
     problem_inputs,
 )
 from attngen.faults import check_fault
-from attngen.masks import band_shaped, get_mask, mask_problem
+from attngen.masks import get_mask, mask_problem, row_interval
 from attngen.runtime_inputs import with_inputs
 from attngen.spec import HEAD_DIMS, Problem
 from attngen.targets import Target
@@ -171,9 +171,9 @@ class Sm80Forward(KernelFamily):
                 if combo[0] / combo[2] in ROWS_PER_WARP]
 
     def default_config(self, problem: Problem, target: Target, seqlen: int | None = None) -> Sm80Config:
-        # A band (`q_idx >= kv_idx`, a sliding window) is masked as causal is: causal's tile, not the
-        # smaller one that keeps other expressions' per-element work from spilling.
-        plain = band_shaped(problem.mask) and problem.score_mod is None and problem.sink is None
+        # A mask with a closed form (a window, chunks, a band such as `q_idx >= kv_idx`) is masked as causal
+        # is: causal's tile, not the smaller one that keeps other expressions' per-element work from spilling.
+        plain = row_interval(problem.mask) and problem.score_mod is None and problem.sink is None
         choices = _preferences()[problem.head_dim, not plain]
         for config in choices:
             if self._smem(config, problem.head_dim) <= target.smem_per_block:

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import yaml
 
 from attngen import dropout, mask_table
-from attngen.masks import band_shaped, causal_shaped
+from attngen.masks import causal_shaped, row_interval
 from attngen.codegen import render as codegen
 from attngen.codegen.abi import Abi, Param
 from attngen.dtypes import get_dtype
@@ -378,10 +378,10 @@ class Sm90Forward(KernelFamily):
         if kind == "expressions" and problem.score_mod is None and problem.sink is None \
                 and causal_shaped(problem.mask):
             # Tiles of causal's lengths: causal's schedule, which beats the counter there (docs/perf-notes.md,
-            # "Per-tile cost"). A band among them (`q_idx >= kv_idx`) is also masked as causal is: causal's
+            # "Per-tile cost"). One with a closed form (`q_idx >= kv_idx`) is also masked as causal is: causal's
             # whole config; any other keeps the expression's tile and stages, which hold its per-element work.
             causal = self.default_config(dataclasses.replace(problem, mask="causal"), target, seqlen)
-            if band_shaped(problem.mask):
+            if row_interval(problem.mask):
                 return causal
             config = dataclasses.replace(config, schedule=causal.schedule)
         return config
