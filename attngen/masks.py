@@ -335,7 +335,7 @@ def mask_problem(problem, per_sequence_tiles: bool = False) -> str | None:
         from attngen.varlen import native_reason
 
         if not per_sequence_tiles:
-            return "packed sequences (varlen) run on a family that tiles per sequence (fwd_sm90, on sm_90a)"
+            return "packed sequences (varlen) run on a family that tiles per sequence (fwd_sm90, fwd_sm80)"
         reason = native_reason(problem)
         if reason is not None:
             return reason

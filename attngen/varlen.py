@@ -8,10 +8,10 @@ cu_seqlens_k[i + 1] - 1 (int32 on q's device, nondecreasing from 0; empty sequen
 Sequences never see each other.
 
 It runs one of two ways (docs/masks.md, "Packed sequences"):
-- Per-sequence tiles (Problem.varlen, the fwd_sm90 family on sm_90a): one attention() call over
-  batch 1 with the spec's `varlen` set and cu_seqlens passed as the inputs `cu_seqlens_q`,
+- Per-sequence tiles (Problem.varlen: the fwd_sm90 family on sm_90a, fwd_sm80 elsewhere): one attention()
+  call over batch 1 with the spec's `varlen` set and cu_seqlens passed as the inputs `cu_seqlens_q`,
   `cu_seqlens_k`; the kernel tiles each sequence on its own (its tile list is built on the GPU,
-  attngen/families/fwd_sm90/varlen_tiles.cuh) and evaluates the caller's mask, modifier and sink in
+  attngen/cuda/varlen_tiles.cuh) and evaluates the caller's mask, modifier and sink in
   the sequence's positions. Taken for calls without gradients or dropout (eagerly or under
   torch.compile, where the choice is made once at trace time), whose mask has closed-form bounds
   and whose expressions read inputs indexed by h alone (native_reason).
@@ -58,6 +58,9 @@ FLOAT_EXACT = 2**24  # positions a float32 holds exactly: modifiers read positio
 # Whether attention_varlen runs kernels that tile per sequence where they can (False: always the
 # document mask over batch 1; tests and benchmarks compare the two).
 PER_SEQUENCE_TILES = True
+# Which family tiles per sequence (None: the first that runs the spec on the GPU, fwd_sm90 on the H100;
+# tests and benchmarks pin "fwd_sm80" to run its kernels there too).
+PER_SEQUENCE_FAMILY: str | None = None
 
 
 def declared_cu_seqlens() -> tuple:
@@ -155,14 +158,17 @@ def lowered(mask: str, score_mod: str | None, sink: str | None) -> tuple[str, st
 
 
 @functools.lru_cache(maxsize=64)
-def _per_sequence_spec(key: str, device: int):
-    """The varlen spec of a call's spec key when a family tiling per sequence runs it on `device` (only
-    fwd_sm90 supports varlen problems, on sm_90a), else None."""
+def _per_sequence_spec(key: str, device: int, family: str | None = None):
+    """The varlen spec of a call's spec key when a family tiling per sequence runs it on `device` (fwd_sm90
+    on sm_90a, fwd_sm80 elsewhere; `family` pins one), else None."""
     from attngen import families, targets
     from attngen.spec import AttentionSpec
 
     spec = AttentionSpec.from_key(key).replace(varlen=True)
-    return spec if families.supporting(spec.problem, targets.device_target(device)) else None
+    supporting = families.supporting(spec.problem, targets.device_target(device))
+    if family is not None:
+        return spec.replace(family=family) if any(f.name == family for f in supporting) else None
+    return spec if supporting else None
 
 
 def _per_sequence_key(key: str, device: int) -> str:
@@ -171,7 +177,7 @@ def _per_sequence_key(key: str, device: int) -> str:
     spec key and asks the GPU which families run it: nothing to trace) and keeps the string as a
     constant (a spec object cannot be one, and dynamo traces through an lru_cache wrapper rather
     than honour the mark on it: hence a plain function of strings)."""
-    spec = _per_sequence_spec(key, device)
+    spec = _per_sequence_spec(key, device, PER_SEQUENCE_FAMILY)
     return "" if spec is None else spec.key()
 
 
@@ -255,7 +261,7 @@ def varlen_inputs(mask: str, score_mod: str | None, sink: str | None, q, k, cu_s
 
 def _per_sequence(q, k, v, mask, score_mod, sink, inputs, dropout_p) -> str:
     """The key of the varlen spec to run this call with kernels that tile per sequence
-    (Problem.varlen), or "" for the document mask over batch 1: on sm_90a, without gradients or dropout, for a mask with
+    (Problem.varlen), or "" for the document mask over batch 1: without gradients or dropout, for a mask with
     closed-form bounds and inputs indexed by h alone (native_reason)."""
     import torch
 

@@ -494,19 +494,51 @@ __device__ __forceinline__ void load_tile(u32 dst, const elem_t* base, i64 row_s
 }
 
 // Rows with no visible key (or a CTA with no key block at all): output 0, LSE -inf.
-__device__ __forceinline__ void write_empty_rows(const Params& p, elem_t* o_base, float* lse_base, int m0, int batch,
-                                                 int head) {
+__device__ __forceinline__ void write_empty_rows(const Params& p, elem_t* o_base, float* lse_base, int m0, int Sq,
+                                                 int Sk, int batch, int head) {
     for (int c = threadIdx.x; c < BLOCK_M * CHUNKS; c += THREADS) {
         const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
-        if (m0 + r < p.Sq) {
+        if (m0 + r < Sq) {
             *reinterpret_cast<uint4*>(o_base + (i64)(m0 + r) * p.o_ss + col) = make_uint4(0, 0, 0, 0);
         }
     }
     for (int r = threadIdx.x; r < BLOCK_M; r += THREADS) {
         float lse;  // -inf, or the sink's logit
-        score::finish_row(NEG_INF, 0.f, m0 + r, p.Sq, p.Sk, batch, head, p, lse);
-        if (m0 + r < p.Sq) lse_base[m0 + r] = lse;
+        score::finish_row(NEG_INF, 0.f, m0 + r, Sq, Sk, batch, head, p, lse);
+        if (m0 + r < Sq) lse_base[m0 + r] = lse;
     }
+}
+
+// The key blocks a query block visits, [begin, end) in blocks of BLOCK_N, from the mask's bounds (also
+// each tile's work in a packed-sequence call's list: varlen_tiles.cuh).
+__device__ __forceinline__ int2 key_block_span(const mask::Bounds& bounds) {
+    const int begin = bounds.kv_begin / BLOCK_N;
+#ifdef ATTNGEN_FAULT_DROP_LAST_PARTIAL_KV_TILE
+    const int end = bounds.kv_end > bounds.kv_begin ? bounds.kv_end / BLOCK_N : begin;  // injected fault: floor drops a partial block
+#else
+    const int end = bounds.kv_end > bounds.kv_begin ? (bounds.kv_end + BLOCK_N - 1) / BLOCK_N : begin;
+#endif
+    return make_int2(begin, end);
+}
+
+// Which query block of which sequence a CTA computes, and where that sequence lies in the tensors.
+struct Tile {
+    int m_block, batch, Sq, Sk;
+    i64 row0, key0;  // the sequence's first query row and first key (VARLEN; else 0)
+};
+// Longest (last) query blocks first: under a causal mask they carry the most key blocks. VARLEN
+// (packed sequences): entry blockIdx.x of the call's tile list (attngen/cuda/varlen_tiles.cuh, the
+// longest first), or none (m_block -1) past its end.
+__device__ __forceinline__ Tile tile_of(const Params& p) {
+#ifdef ATTNGEN_VARLEN
+    const int count = p.tile_counter[1];
+    const int2 entry = varlen::tile_list(p)[blockIdx.x];  // inside the list's capacity (the grid) even past count
+    if ((int)blockIdx.x >= count) return {-1, 0, 0, 0, 0, 0};
+    const int4 seg = varlen::segments(p)[entry.x];
+    return {entry.y, 0, seg.y, seg.w, seg.x, seg.z};
+#else
+    return {(int)(gridDim.x - 1 - blockIdx.x), (int)blockIdx.z, p.Sq, p.Sk, 0, 0};
+#endif
 }
 
 __device__ __forceinline__ void flash_fwd(const Params& p) {
@@ -516,21 +548,24 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;  // mma fragment row group and column pair
-    // Longest (last) query blocks first: under a causal mask they carry the most key blocks.
-    const int m_block = gridDim.x - 1 - blockIdx.x;
-    const int head = blockIdx.y, batch = blockIdx.z;
+    const Tile tile = tile_of(p);
+#ifdef ATTNGEN_VARLEN
+    if (tile.m_block < 0) return;  // past the list's end
+#endif
+    const int m_block = tile.m_block, batch = tile.batch, head = blockIdx.y;
     const int kv_head = head / GQA_RATIO;  // query head h reads kv head h // ratio
-    const int m0 = m_block * BLOCK_M, m1 = min(m0 + BLOCK_M, p.Sq);
-    const int Sq = p.Sq, Sk = p.Sk;
+    // Positions are the sequence's own: its rows and keys, from row0 and key0 in the tensors.
+    const int Sq = tile.Sq, Sk = tile.Sk;
+    const int m0 = m_block * BLOCK_M, m1 = min(m0 + BLOCK_M, Sq);
     // What takes a score to the log2 domain: softmax_scale * log2(e), or log2(e) once modified.
     const float score_log2 = score::MODIFIED ? 1.4426950408889634f : p.scale_log2;
 
 #ifdef ATTNGEN_DROPOUT
     const dropout::Rng rng = dropout::load(p.rng);
 #endif
-    const elem_t* q_base = p.q + batch * p.q_sb + head * p.q_sh;
-    const elem_t* k_base = p.k + batch * p.k_sb + kv_head * p.k_sh;
-    const elem_t* v_base = p.v + batch * p.v_sb + kv_head * p.v_sh;
+    const elem_t* q_base = p.q + batch * p.q_sb + head * p.q_sh + tile.row0 * p.q_ss;
+    const elem_t* k_base = p.k + batch * p.k_sb + kv_head * p.k_sh + tile.key0 * p.k_ss;
+    const elem_t* v_base = p.v + batch * p.v_sb + kv_head * p.v_sh + tile.key0 * p.v_ss;
 
     // Block classification from the mask: [n_begin, n_end) may hold visible keys; a block
     // inside [full_lo, full_hi) is visible to every row here and skips per-element masking.
@@ -538,19 +573,15 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     // blocks instead: (n_block << 1) | full, last first (listed; nullptr: the span).
     const mask::Bounds bounds = mask::bounds(m0, m1, Sq, Sk, batch, head, p);
     const int* listed = mask::LISTED && bounds.kv_begin < 0 ? mask::key_blocks(m0, Sq, Sk, batch, head, p) : nullptr;
-    const int kv_lo = bounds.kv_begin, kv_hi = bounds.kv_end, full_lo = bounds.full_begin, full_hi = bounds.full_end;
-    const int n_begin = kv_lo / BLOCK_N;
-#ifdef ATTNGEN_FAULT_DROP_LAST_PARTIAL_KV_TILE
-    const int n_end = kv_hi > kv_lo ? kv_hi / BLOCK_N : n_begin;  // injected fault: floor drops a partial block
-#else
-    const int n_end = kv_hi > kv_lo ? (kv_hi + BLOCK_N - 1) / BLOCK_N : n_begin;
-#endif
+    const int full_lo = bounds.full_begin, full_hi = bounds.full_end;
+    const int2 span = key_block_span(bounds);
+    const int n_begin = span.x, n_end = span.y;
     const int n_blocks = listed != nullptr ? bounds.kv_end : n_end - n_begin;  // {-1, count, 0, 0}: the list's count
     // Output pointers are formed where they are used, to keep them out of the main loop's registers.
-    auto o_rows = [&]() { return p.o + batch * p.o_sb + head * p.o_sh; };
-    auto lse_row = [&]() { return p.lse + ((i64)batch * p.Hq + head) * Sq; };
+    auto o_rows = [&]() { return p.o + batch * p.o_sb + head * p.o_sh + tile.row0 * p.o_ss; };
+    auto lse_row = [&]() { return p.lse + ((i64)batch * p.Hq + head) * p.Sq + tile.row0; };
     if (n_blocks <= 0) {
-        write_empty_rows(p, o_rows(), lse_row(), m0, batch, head);
+        write_empty_rows(p, o_rows(), lse_row(), m0, Sq, Sk, batch, head);
         return;
     }
     // Key blocks are visited from the last to the first, so masked blocks come first.
@@ -860,3 +891,4 @@ fwd_sm80_causal_d128_gqa4_bf16_m128n64w4s2_sm90a(const __grid_constant__ FwdPara
     const FwdParams args = p;
     fa::flash_fwd(args);
 }
+

@@ -594,6 +594,193 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[64], const u32 (&a)[4], u64 
 
 
 #define ATTNGEN_VARLEN 1
+// ---- varlen_tiles.cuh: the tiles of a packed-sequence (varlen) call, built on the GPU ----
+// Sequences packed end to end (attngen/varlen.py) are tiled per sequence: a tile's query rows and
+// keys never cross a sequence's boundary, so its mask is the sequence's own (per-sequence
+// positions) and no element is masked for belonging to another sequence. One CTA of
+// BUILD_THREADS builds, before the forward kernel runs (no host synchronisation):
+// - the segment table: segment 0 the rows before the first sequence, 1 + s sequence s, and
+//   num_seqs + 1 the rows after the last; each {first row, rows, first key, keys}. Sequence s
+//   covers [max(cu_q[0..s]), max(cu_q[0..s+1])) clipped to [0, Sq) (and likewise its keys): for
+//   nondecreasing cu_seqlens the sequence itself, for any other values disjoint ranges inside the
+//   tensors. Rows outside every sequence see no key (output 0; LSE -inf, or the sink's logit).
+// - the tile list: {segment, query block} per entry, sorted by the key blocks it visits (the
+//   family's work_of), longest first (a counting sort over WORK_BUCKETS; ties in any order).
+// Shared by the forward families that tile per sequence (fwd_sm90 runs the entries once per query
+// head in sections of heads; fwd_sm80 one CTA per entry and head). Workspace (p.tile_counter,
+// ints): [0] a schedule's counter (zeroed), [1] entries in the list, then the segment table (int4,
+// num_seqs + 2), then the list (int2, at most p.m_blocks entries): attngen/families/varlen_tiles.py.
+// Needs Params members in_cu_seqlens_q/k (+ _s0), num_seqs, m_blocks (the list's capacity), Sq, Sk,
+// tile_counter, and cfg::BLOCK_M.
+
+namespace varlen {
+
+constexpr int BUILD_THREADS = 1024;
+constexpr int WORK_BUCKETS = 1024;  // key-block counts sorted apart; longer tiles share the last bucket
+static_assert(WORK_BUCKETS == BUILD_THREADS, "the buckets' scan gives one bucket to each thread");
+
+// A block-wide inclusive scan of v under op; `total` gets the last thread's value.
+template <class Op>
+__device__ __forceinline__ int block_scan(int v, Op op, int* warp_totals, int& total) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+        const int other = __shfl_up_sync(0xffffffffu, v, d);
+        if (lane >= d) v = op(other, v);
+    }
+    if (lane == 31) warp_totals[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        int w = warp_totals[lane];  // BUILD_THREADS / 32 == 32 warps
+#pragma unroll
+        for (int d = 1; d < 32; d *= 2) {
+            const int other = __shfl_up_sync(0xffffffffu, w, d);
+            if (lane >= d) w = op(other, w);
+        }
+        warp_totals[lane] = w;
+    }
+    __syncthreads();
+    if (warp > 0) v = op(warp_totals[warp - 1], v);
+    total = warp_totals[31];
+    __syncthreads();  // warp_totals is reused by the next scan
+    return v;
+}
+
+__device__ __forceinline__ int query_blocks(int rows) { return (rows + cfg::BLOCK_M - 1) / cfg::BLOCK_M; }
+
+// The list slot of a tile visiting `work` key blocks: the most work first.
+__device__ __forceinline__ int bucket_of(int work) { return WORK_BUCKETS - 1 - min(work, WORK_BUCKETS - 1); }
+
+// Where the workspace holds the segment table and the list (above).
+constexpr int HEADER = 4;
+template <class P>
+__device__ __forceinline__ int4* segments(const P& p) {
+    return reinterpret_cast<int4*>(p.tile_counter + HEADER);
+}
+template <class P>
+__device__ __forceinline__ int2* tile_list(const P& p) {
+    return reinterpret_cast<int2*>(segments(p) + p.num_seqs + 2);
+}
+
+// Pass 0 counts each bucket's tiles, pass 1 places them. Chunks of BUILD_THREADS sequences: a
+// scan of their query blocks gives each sequence its first tile, and the chunk's tiles are spread
+// over the threads (a thread finds its tile's sequence by binary search), so one long sequence and
+// many short ones cost alike.
+// work_of(segment, query block): the key blocks that tile visits, by the family's own bounds.
+template <class P, class WorkOf>
+__device__ void build(const P& p, WorkOf work_of) {
+    __shared__ int count[WORK_BUCKETS];
+    __shared__ int first_tile[BUILD_THREADS + 1];
+    __shared__ int warp_totals[32];
+    __shared__ int carry[2];  // the ranges' ends so far: rows, keys
+    // The current chunk's segments and the two gaps' (the global table is read back only across chunks):
+    // each read back from global memory was a dependent round trip of the build, which the forward
+    // kernel waits for (docs/perf-notes.md "The tile builder's round trips").
+    __shared__ int4 chunk_seg[BUILD_THREADS];
+    __shared__ int4 gaps[2];
+    const int tid = threadIdx.x;
+    const int n = p.num_seqs;
+    int4* seg = segments(p);
+    int2* list = tile_list(p);
+    auto add = [](int a, int b) { return a + b; };
+    auto maximum = [](int a, int b) { return max(a, b); };
+    auto q_end_of = [&](int s) { return s < n ? p.in_cu_seqlens_q[(long long)(s + 1) * p.in_cu_seqlens_q_s0] : 0; };
+    auto k_end_of = [&](int s) { return s < n ? p.in_cu_seqlens_k[(long long)(s + 1) * p.in_cu_seqlens_k_s0] : 0; };
+    // The first chunk's ends are requested together with the first start: one round trip for both.
+    const int first_q_end = q_end_of(tid), first_k_end = k_end_of(tid);
+    for (int i = tid; i < WORK_BUCKETS; i += BUILD_THREADS) count[i] = 0;
+    if (tid == 0) {
+        carry[0] = min(max(p.in_cu_seqlens_q[0], 0), p.Sq);
+        carry[1] = min(max(p.in_cu_seqlens_k[0], 0), p.Sk);
+        gaps[0] = make_int4(0, carry[0], 0, 0);  // rows before the first sequence: no key
+        seg[0] = gaps[0];
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int pass = 0; pass < 2; ++pass) {
+        if (pass == 1) {  // count[] becomes each bucket's next free slot, the most work first
+            int total;
+            const int c = count[tid];
+            count[tid] = block_scan(c, add, warp_totals, total) - c;
+            if (tid == 0) p.tile_counter[1] = min(total, p.m_blocks);
+            __syncthreads();
+        }
+        // Chunk c of sequences: thread tid holds sequence s = c + tid.
+#pragma unroll 1
+        for (int c = 0; c < n; c += BUILD_THREADS) {
+            const int s = c + tid;
+            int4 mine = make_int4(0, 0, 0, 0);
+            if (pass == 0) {
+                const int q_end = c == 0 ? first_q_end : q_end_of(s);
+                const int k_end = c == 0 ? first_k_end : k_end_of(s);
+                int total;
+                const int q1 = min(max(block_scan(q_end, maximum, warp_totals, total), carry[0]), p.Sq);
+                const int k1 = min(max(block_scan(k_end, maximum, warp_totals, total), carry[1]), p.Sk);
+                // Each sequence starts where the one before ends (first_tile is borrowed to pass the ends).
+                first_tile[tid] = q1;
+                __syncthreads();
+                const int prev_q = tid == 0 ? carry[0] : first_tile[tid - 1];
+                __syncthreads();
+                first_tile[tid] = k1;
+                __syncthreads();
+                const int prev_k = tid == 0 ? carry[1] : first_tile[tid - 1];
+                mine = make_int4(prev_q, q1 - prev_q, prev_k, k1 - prev_k);
+                if (s < n) seg[1 + s] = mine;
+                __syncthreads();
+                if (tid == min(BUILD_THREADS, n - c) - 1) {
+                    carry[0] = q1;
+                    carry[1] = k1;
+                }
+            } else if (n <= BUILD_THREADS) {
+                mine = chunk_seg[tid];  // one chunk: still there from pass 0
+            } else if (s < n) {
+                mine = seg[1 + s];
+            }
+            chunk_seg[tid] = mine;  // read by the tile loop below, after the scan's barriers
+            int chunk_tiles;
+            const int blocks = s < n ? query_blocks(mine.y) : 0;
+            first_tile[tid + 1] = block_scan(blocks, add, warp_totals, chunk_tiles);
+            if (tid == 0) first_tile[0] = 0;
+            __syncthreads();
+#pragma unroll 1
+            for (int e = tid; e < chunk_tiles; e += BUILD_THREADS) {
+                int lo = 0, hi = BUILD_THREADS;  // the last sequence whose first tile is <= e
+                while (hi - lo > 1) {
+                    const int mid = (lo + hi) / 2;
+                    if (first_tile[mid] <= e) lo = mid; else hi = mid;
+                }
+                const int m_block = e - first_tile[lo];
+                const int bucket = bucket_of(work_of(chunk_seg[lo], m_block));
+                if (pass == 0) {
+                    atomicAdd(&count[bucket], 1);
+                } else {
+                    const int slot = atomicAdd(&count[bucket], 1);
+                    if (slot < p.m_blocks) list[slot] = make_int2(1 + c + lo, m_block);
+                }
+            }
+            __syncthreads();
+        }
+        // The rows before the first sequence and after the last: no key, the least work.
+        if (tid == 0 && pass == 0) {
+            gaps[1] = make_int4(carry[0], p.Sq - carry[0], carry[1], 0);
+            seg[n + 1] = gaps[1];
+        }
+        __syncthreads();
+        for (int g = 0; g < 2; ++g) {
+            const int which = g == 0 ? 0 : n + 1;
+            const int4 gap = gaps[g];
+            for (int m = tid; m < query_blocks(gap.y); m += BUILD_THREADS) {
+                const int slot = atomicAdd(&count[bucket_of(0)], 1);
+                if (pass == 1 && slot < p.m_blocks) list[slot] = make_int2(which, m);
+            }
+        }
+        __syncthreads();
+    }
+    if (tid == 0) p.tile_counter[0] = 0;  // the dynamic schedule's counter
+}
+
+}  // namespace varlen
+
 
 // The kernel: its headers, one piece each (flash_fwd_sm90.cuh, last, says what each holds).
 // ---- shapes.cuh: fwd_sm90's sizes, from the plan (namespace cfg): threads, tiles, shared memory, registers ----
@@ -686,25 +873,15 @@ __device__ __forceinline__ int ranked_block(const Params& p, int, int, int rank)
 #endif
 
 #ifdef ATTNGEN_VARLEN
-// The workspace varlen_tiles.cuh fills (ints): [0] the schedule's counter, [1] tiles in the list,
-// then the segment table (int4 {first row, rows, first key, keys}, num_seqs + 2), then the list
-// (int2 {segment, query block}).
-constexpr int VARLEN_HEADER = 4;
-__device__ __forceinline__ int4* segments(const Params& p) {
-    return reinterpret_cast<int4*>(p.tile_counter + VARLEN_HEADER);
-}
-__device__ __forceinline__ int2* tile_list(const Params& p) {
-    return reinterpret_cast<int2*>(segments(p) + p.num_seqs + 2);
-}
-// Tile t: as the dynamic schedule's sections (tile_of), with the list's entries (the longest first)
-// in place of query blocks: sections of p.section_heads query heads whose K/V stay in L2 together
-// while their tiles run (family.py makes them long enough to end level), within a section entry
-// after entry, the section's heads side by side.
+// Tile t of the list attngen/cuda/varlen_tiles.cuh built: as the dynamic schedule's sections (tile_of),
+// with the list's entries (the longest first) in place of query blocks: sections of p.section_heads
+// query heads whose K/V stay in L2 together while their tiles run (family.py makes them long enough to
+// end level), within a section entry after entry, the section's heads side by side.
 __device__ __forceinline__ Tile varlen_tile(const Params& p, int t) {
     const Section s = section_of(t, p.tile_counter[1] * p.section_heads, p.section_heads, p.Hq);
     const int e = s.r / s.heads, head = s.first + (s.r - e * s.heads);
-    const int2 entry = tile_list(p)[e];
-    const int4 seg = segments(p)[entry.x];
+    const int2 entry = varlen::tile_list(p)[e];
+    const int4 seg = varlen::segments(p)[entry.x];
     return {entry.y, head, 0, seg.x, seg.z, seg.y, seg.w};
 }
 __device__ __forceinline__ int varlen_tiles(const Params& p) { return p.tile_counter[1] * p.Hq; }
@@ -1899,188 +2076,14 @@ fwd_sm90_causal_d128_gqa4_bf16_varlen_m128n128s2opd_sm90a(const __grid_constant_
     fa90::flash_fwd_sm90(p);  // TMA reads the tensor maps in place: no local copy of p
 }
 
-// ---- varlen_tiles.cuh: the tiles of a packed-sequence (varlen) call, built on the GPU ----
-// Sequences packed end to end (attngen/varlen.py) are tiled per sequence: a tile's query rows and
-// keys never cross a sequence's boundary, so its mask is the sequence's own (per-sequence
-// positions) and no element is masked for belonging to another sequence. One CTA of
-// BUILD_THREADS builds, before the forward kernel runs (no host synchronisation):
-// - the segment table: segment 0 the rows before the first sequence, 1 + s sequence s, and
-//   num_seqs + 1 the rows after the last; each {first row, rows, first key, keys}. Sequence s
-//   covers [max(cu_q[0..s]), max(cu_q[0..s+1])) clipped to [0, Sq) (and likewise its keys): for
-//   nondecreasing cu_seqlens the sequence itself, for any other values disjoint ranges inside the
-//   tensors. Rows outside every sequence see no key (output 0; LSE -inf, or the sink's logit).
-// - the tile list: {segment, query block} per entry, sorted by key blocks visited, longest first
-//   (a counting sort over WORK_BUCKETS; ties in any order); the kernel runs each entry once per query
-//   head, in sections of heads (tiles.cuh varlen_tile), the longest first within each.
-// Workspace (p.tile_counter, ints): [0] the schedule's counter, [1] entries in the list, then the
-// segment table (int4, num_seqs + 2), then the list (int2, at most p.m_blocks entries).
-// Needs Params members in_cu_seqlens_q/k (+ _s0), num_seqs, m_blocks (the list's capacity), Sq, Sk,
-// tile_counter, and fa90's Tile and kv_blocks.
-
-namespace varlen {
-
-constexpr int BUILD_THREADS = 1024;
-constexpr int WORK_BUCKETS = 1024;  // key-block counts sorted apart; longer tiles share the last bucket
-static_assert(WORK_BUCKETS == BUILD_THREADS, "the buckets' scan gives one bucket to each thread");
-
-// A block-wide inclusive scan of v under op; `total` gets the last thread's value.
-template <class Op>
-__device__ __forceinline__ int block_scan(int v, Op op, int* warp_totals, int& total) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-        const int other = __shfl_up_sync(0xffffffffu, v, d);
-        if (lane >= d) v = op(other, v);
-    }
-    if (lane == 31) warp_totals[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        int w = warp_totals[lane];  // BUILD_THREADS / 32 == 32 warps
-#pragma unroll
-        for (int d = 1; d < 32; d *= 2) {
-            const int other = __shfl_up_sync(0xffffffffu, w, d);
-            if (lane >= d) w = op(other, w);
-        }
-        warp_totals[lane] = w;
-    }
-    __syncthreads();
-    if (warp > 0) v = op(warp_totals[warp - 1], v);
-    total = warp_totals[31];
-    __syncthreads();  // warp_totals is reused by the next scan
-    return v;
-}
-
-__device__ __forceinline__ int query_blocks(int rows) { return (rows + cfg::BLOCK_M - 1) / cfg::BLOCK_M; }
-
-// The list slot of a tile visiting `work` key blocks: the most work first.
-__device__ __forceinline__ int bucket_of(int work) { return WORK_BUCKETS - 1 - min(work, WORK_BUCKETS - 1); }
-
-__device__ __forceinline__ int work_of(const FwdSm90Params& p, int4 seg, int m_block) {
-    return fa90::kv_blocks(p, fa90::Tile{m_block, 0, 0, seg.x, seg.z, seg.y, seg.w}).count();
-}
-
-// Pass 0 counts each bucket's tiles, pass 1 places them. Chunks of BUILD_THREADS sequences: a
-// scan of their query blocks gives each sequence its first tile, and the chunk's tiles are spread
-// over the threads (a thread finds its tile's sequence by binary search), so one long sequence and
-// many short ones cost alike.
-__device__ void build(const FwdSm90Params& p) {
-    __shared__ int count[WORK_BUCKETS];
-    __shared__ int first_tile[BUILD_THREADS + 1];
-    __shared__ int warp_totals[32];
-    __shared__ int carry[2];  // the ranges' ends so far: rows, keys
-    // The current chunk's segments and the two gaps' (the global table is read back only across chunks):
-    // each read back from global memory was a dependent round trip of the build, which the forward
-    // kernel waits for (docs/perf-notes.md "The tile builder's round trips").
-    __shared__ int4 chunk_seg[BUILD_THREADS];
-    __shared__ int4 gaps[2];
-    const int tid = threadIdx.x;
-    const int n = p.num_seqs;
-    int4* seg = fa90::segments(p);
-    int2* list = fa90::tile_list(p);
-    auto add = [](int a, int b) { return a + b; };
-    auto maximum = [](int a, int b) { return max(a, b); };
-    auto q_end_of = [&](int s) { return s < n ? p.in_cu_seqlens_q[(long long)(s + 1) * p.in_cu_seqlens_q_s0] : 0; };
-    auto k_end_of = [&](int s) { return s < n ? p.in_cu_seqlens_k[(long long)(s + 1) * p.in_cu_seqlens_k_s0] : 0; };
-    // The first chunk's ends are requested together with the first start: one round trip for both.
-    const int first_q_end = q_end_of(tid), first_k_end = k_end_of(tid);
-    for (int i = tid; i < WORK_BUCKETS; i += BUILD_THREADS) count[i] = 0;
-    if (tid == 0) {
-        carry[0] = min(max(p.in_cu_seqlens_q[0], 0), p.Sq);
-        carry[1] = min(max(p.in_cu_seqlens_k[0], 0), p.Sk);
-        gaps[0] = make_int4(0, carry[0], 0, 0);  // rows before the first sequence: no key
-        seg[0] = gaps[0];
-    }
-    __syncthreads();
-#pragma unroll 1
-    for (int pass = 0; pass < 2; ++pass) {
-        if (pass == 1) {  // count[] becomes each bucket's next free slot, the most work first
-            int total;
-            const int c = count[tid];
-            count[tid] = block_scan(c, add, warp_totals, total) - c;
-            if (tid == 0) p.tile_counter[1] = min(total, p.m_blocks);
-            __syncthreads();
-        }
-        // Chunk c of sequences: thread tid holds sequence s = c + tid.
-#pragma unroll 1
-        for (int c = 0; c < n; c += BUILD_THREADS) {
-            const int s = c + tid;
-            int4 mine = make_int4(0, 0, 0, 0);
-            if (pass == 0) {
-                const int q_end = c == 0 ? first_q_end : q_end_of(s);
-                const int k_end = c == 0 ? first_k_end : k_end_of(s);
-                int total;
-                const int q1 = min(max(block_scan(q_end, maximum, warp_totals, total), carry[0]), p.Sq);
-                const int k1 = min(max(block_scan(k_end, maximum, warp_totals, total), carry[1]), p.Sk);
-                // Each sequence starts where the one before ends (first_tile is borrowed to pass the ends).
-                first_tile[tid] = q1;
-                __syncthreads();
-                const int prev_q = tid == 0 ? carry[0] : first_tile[tid - 1];
-                __syncthreads();
-                first_tile[tid] = k1;
-                __syncthreads();
-                const int prev_k = tid == 0 ? carry[1] : first_tile[tid - 1];
-                mine = make_int4(prev_q, q1 - prev_q, prev_k, k1 - prev_k);
-                if (s < n) seg[1 + s] = mine;
-                __syncthreads();
-                if (tid == min(BUILD_THREADS, n - c) - 1) {
-                    carry[0] = q1;
-                    carry[1] = k1;
-                }
-            } else if (n <= BUILD_THREADS) {
-                mine = chunk_seg[tid];  // one chunk: still there from pass 0
-            } else if (s < n) {
-                mine = seg[1 + s];
-            }
-            chunk_seg[tid] = mine;  // read by the tile loop below, after the scan's barriers
-            int chunk_tiles;
-            const int blocks = s < n ? query_blocks(mine.y) : 0;
-            first_tile[tid + 1] = block_scan(blocks, add, warp_totals, chunk_tiles);
-            if (tid == 0) first_tile[0] = 0;
-            __syncthreads();
-#pragma unroll 1
-            for (int e = tid; e < chunk_tiles; e += BUILD_THREADS) {
-                int lo = 0, hi = BUILD_THREADS;  // the last sequence whose first tile is <= e
-                while (hi - lo > 1) {
-                    const int mid = (lo + hi) / 2;
-                    if (first_tile[mid] <= e) lo = mid; else hi = mid;
-                }
-                const int m_block = e - first_tile[lo];
-                const int bucket = bucket_of(work_of(p, chunk_seg[lo], m_block));
-                if (pass == 0) {
-                    atomicAdd(&count[bucket], 1);
-                } else {
-                    const int slot = atomicAdd(&count[bucket], 1);
-                    if (slot < p.m_blocks) list[slot] = make_int2(1 + c + lo, m_block);
-                }
-            }
-            __syncthreads();
-        }
-        // The rows before the first sequence and after the last: no key, the least work.
-        if (tid == 0 && pass == 0) {
-            gaps[1] = make_int4(carry[0], p.Sq - carry[0], carry[1], 0);
-            seg[n + 1] = gaps[1];
-        }
-        __syncthreads();
-        for (int g = 0; g < 2; ++g) {
-            const int which = g == 0 ? 0 : n + 1;
-            const int4 gap = gaps[g];
-            for (int m = tid; m < query_blocks(gap.y); m += BUILD_THREADS) {
-                const int slot = atomicAdd(&count[bucket_of(0)], 1);
-                if (pass == 1 && slot < p.m_blocks) list[slot] = make_int2(which, m);
-            }
-        }
-        __syncthreads();
-    }
-    if (tid == 0) p.tile_counter[0] = 0;  // the dynamic schedule's counter
-}
-
-}  // namespace varlen
-
-// Builds the segment table and the tile list of this call and zeroes the tile counter; launched
-// before the kernel, which may start at once (it waits for this one's writes: pdl_wait).
-static_assert(varlen::BUILD_THREADS == 1024, "attngen/families/fwd_sm90/family.py VARLEN_BUILD_THREADS and the template disagree");
+// Builds the segment table and the tile list of this call (attngen/cuda/varlen_tiles.cuh; a tile's work:
+// the key blocks its bounds visit) and zeroes the tile counter; launched before the kernel, which may
+// start at once (it waits for this one's writes: pdl_wait).
+static_assert(varlen::BUILD_THREADS == 1024, "attngen/families/varlen_tiles.py BUILD_THREADS and the template disagree");
 extern "C" __global__ void __launch_bounds__(varlen::BUILD_THREADS, 1)
 fwd_sm90_causal_d128_gqa4_bf16_varlen_m128n128s2opd_sm90a_tiles(const __grid_constant__ FwdSm90Params p) {
     pdl_launch_dependents();
-    varlen::build(p);
+    varlen::build(p, [&](int4 seg, int m_block) {
+        return fa90::kv_blocks(p, fa90::Tile{m_block, 0, 0, seg.x, seg.z, seg.y, seg.w}).count();
+    });
 }

@@ -730,25 +730,15 @@ __device__ __forceinline__ int ranked_block(const Params& p, int, int, int rank)
 #endif
 
 #ifdef ATTNGEN_VARLEN
-// The workspace varlen_tiles.cuh fills (ints): [0] the schedule's counter, [1] tiles in the list,
-// then the segment table (int4 {first row, rows, first key, keys}, num_seqs + 2), then the list
-// (int2 {segment, query block}).
-constexpr int VARLEN_HEADER = 4;
-__device__ __forceinline__ int4* segments(const Params& p) {
-    return reinterpret_cast<int4*>(p.tile_counter + VARLEN_HEADER);
-}
-__device__ __forceinline__ int2* tile_list(const Params& p) {
-    return reinterpret_cast<int2*>(segments(p) + p.num_seqs + 2);
-}
-// Tile t: as the dynamic schedule's sections (tile_of), with the list's entries (the longest first)
-// in place of query blocks: sections of p.section_heads query heads whose K/V stay in L2 together
-// while their tiles run (family.py makes them long enough to end level), within a section entry
-// after entry, the section's heads side by side.
+// Tile t of the list attngen/cuda/varlen_tiles.cuh built: as the dynamic schedule's sections (tile_of),
+// with the list's entries (the longest first) in place of query blocks: sections of p.section_heads
+// query heads whose K/V stay in L2 together while their tiles run (family.py makes them long enough to
+// end level), within a section entry after entry, the section's heads side by side.
 __device__ __forceinline__ Tile varlen_tile(const Params& p, int t) {
     const Section s = section_of(t, p.tile_counter[1] * p.section_heads, p.section_heads, p.Hq);
     const int e = s.r / s.heads, head = s.first + (s.r - e * s.heads);
-    const int2 entry = tile_list(p)[e];
-    const int4 seg = segments(p)[entry.x];
+    const int2 entry = varlen::tile_list(p)[e];
+    const int4 seg = varlen::segments(p)[entry.x];
     return {entry.y, head, 0, seg.x, seg.z, seg.y, seg.w};
 }
 __device__ __forceinline__ int varlen_tiles(const Params& p) { return p.tile_counter[1] * p.Hq; }

@@ -108,7 +108,7 @@ def test_sm90_kernel_headers_are_pasted_whole_and_in_order():
     family = get_family("fwd_sm90")
     named = [name for name in template_files(sm90.FOLDER, "fwd_sm90.cu.j2") if name in sm90.KERNEL_HEADERS]
     assert named == list(sm90.KERNEL_HEADERS)
-    assert sorted(p.name for p in sm90.FOLDER.glob("*.cuh")) == sorted([*sm90.KERNEL_HEADERS, "varlen_tiles.cuh"])
+    assert sorted(p.name for p in sm90.FOLDER.glob("*.cuh")) == sorted(sm90.KERNEL_HEADERS)  # (varlen's: attngen/cuda)
     spec = AttentionSpec(head_dim=128, mask="causal", family="fwd_sm90")
     source = family.render(family.plan(spec.problem, H100, family.default_config(spec.problem, H100)))
     assert "\n".join((sm90.FOLDER / name).read_text() for name in sm90.KERNEL_HEADERS) in source
@@ -528,8 +528,8 @@ def test_the_runtime_compiler_builds_every_default(name):
 
 
 def test_varlen_problems_run_only_on_per_sequence_tiles():
-    """Problem.varlen (packed sequences): fwd_sm90 alone supports it, for masks with closed-form
-    bounds and inputs indexed by h; every other family says why not."""
+    """Problem.varlen (packed sequences): the forward families support it (fwd_sm90 and fwd_sm80 tile per
+    sequence), for masks with closed-form bounds and inputs indexed by h; every other family says why not."""
     from attngen.families import FAMILIES
 
     def reasons(**kw):
@@ -539,14 +539,15 @@ def test_varlen_problems_run_only_on_per_sequence_tiles():
     for kw in ({"mask": "causal"}, {"mask": "sliding_window(100, 0)", "score_mod": "softcap(20.0)", "sink": "sinks[h]"},
                {"mask": "chunked(64) and causal"}, {"score_mod": "alibi"}):
         found = reasons(**kw)
-        assert found.pop("fwd_sm90") is None, kw
+        assert found.pop("fwd_sm90") is None and found.pop("fwd_sm80") is None, kw
         assert all("packed sequences (varlen) run on a family that tiles per sequence" in r for r in found.values())
-    assert "reads runtime inputs" in reasons(mask="kv_idx + kv_offset <= q_idx + q_offset")["fwd_sm90"]
-    refusals = {"mask": ("kv_idx % 3 != 1", "no closed form"), "score_mod": ("score + bias[q_idx]", "by a position"),
-                "sink": ("sinks[b]", "reads b")}
-    for field, (text, why) in refusals.items():
-        assert why in reasons(**{field: text})["fwd_sm90"]
-    assert "dropout" in reasons(dropout_p=0.125)["fwd_sm90"]
+    for name in ("fwd_sm90", "fwd_sm80"):
+        assert "reads runtime inputs" in reasons(mask="kv_idx + kv_offset <= q_idx + q_offset")[name]
+        refusals = {"mask": ("kv_idx % 3 != 1", "no closed form"),
+                    "score_mod": ("score + bias[q_idx]", "by a position"), "sink": ("sinks[b]", "reads b")}
+        for field, (text, why) in refusals.items():
+            assert why in reasons(**{field: text})[name]
+        assert "dropout" in reasons(dropout_p=0.125)[name]
     with pytest.raises(SpecError, match="varlen='yes' is invalid"):
         AttentionSpec(head_dim=64, varlen="yes")
     spec = AttentionSpec(head_dim=64, varlen=True)
@@ -581,6 +582,49 @@ def test_varlen_plans_build_their_tile_list_before_the_kernel(monkeypatch):
         assert main.kernel == plan.name and main.grid == (min(capacity * 4, 132), 1, 1) and build.params == main.params
         assert main.early and not build.early
         assert grid == main.grid[0]
+
+
+def test_sm80_varlen_plans_build_the_same_list_and_run_a_cta_per_entry():
+    """fwd_sm80 tiles packed sequences from the list fwd_sm90 builds (attngen/cuda/varlen_tiles.cuh): the
+    one-CTA builder first, then the kernel on (capacity, heads) CTAs in stream order (sm_80 has no early
+    launch); the workspace holds the same header, segment table and list."""
+    family = get_family("fwd_sm80")
+    plan = plan_spec(AttentionSpec(head_dim=128, mask="causal", gqa_ratio=2, varlen=True, family="fwd_sm80"),
+                     targets.target("sm_80"))
+    assert [k.symbol for k in plan.kernels] == [plan.name, f"{plan.name}_tiles"] and plan.kernels[1].threads == 1024
+    names = {p.name for p in plan.kernels[0].abi.params}
+    assert {"in_cu_seqlens_q", "in_cu_seqlens_k", "num_seqs", "m_blocks", "tile_counter"} <= names
+    source = family.render(plan)
+    assert "#define ATTNGEN_VARLEN 1" in source and "varlen::build(p," in source
+    for sequences, total in ((3, 1000), (16, 16384)):
+        cu = _tensor("cu", (sequences + 1,), "int32")
+        call = _sm90_call(128, 1, total, 4, 2, workspace=1 << 30, inputs=(("cu_seqlens_k", cu), ("cu_seqlens_q", cu)))
+        capacity = math.ceil(total / plan.block_m) + sequences + 2
+        assert family.workspace_bytes(plan, call) == 16 + 16 * (sequences + 2) + 8 * capacity
+        build, main = family.launches(plan, call)
+        assert build.kernel == f"{plan.name}_tiles" and build.grid == (1, 1, 1) and build.block == (1024, 1, 1)
+        assert main.kernel == plan.name and main.grid == (capacity, 4, 1) and build.params == main.params
+        assert not main.early and not build.early
+
+
+@pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")
+@pytest.mark.parametrize("target", ["sm_80", "sm_90a"])
+def test_sm80_varlen_kernels_compile_without_spills(target):
+    """Every head dim with a window, softcap and a sink (the heaviest per-score work a varlen call may carry),
+    the tile builder beside it; and a plain causal one per head dim."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    heavy = {"mask": "sliding_window(255, 0)", "score_mod": "softcap(20.0)", "sink": "sinks[h]"}
+    specs = [AttentionSpec(head_dim=d, varlen=True, family="fwd_sm80", **kw)
+             for d in (64, 96, 128, 256) for kw in ({"mask": "causal"}, heavy)]
+
+    def spilled(spec):
+        report = nvcc.check_plan(plan_spec(spec, targets.target(target)))
+        return spec.name, report.spill_bytes + sum(k.spill_bytes for k in report.kernels.values())
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(spilled, specs))
+    assert all(spill == 0 for _, spill in results), results
 
 
 @pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")

@@ -118,7 +118,7 @@ def test_the_builtin_pool_has_the_kernels_of_the_spec_files(target):
         if spec.family in families.DECODE_FAMILIES or spec.family in families.BACKWARD_FAMILIES:
             continue  # the fuzzer runs forward calls; decode and backward specs have their GPU tests
         if spec.varlen and not families.supporting(spec.problem, target):
-            continue  # packed sequences run where a family tiles per sequence (fwd_sm90, sm_90a)
+            continue  # packed sequences run where a family tiles per sequence (fwd_sm90, fwd_sm80)
         assert families.plan_spec(spec, target).name in names, f"{path} is not in the pool"
 
 
@@ -265,8 +265,8 @@ def test_the_pool_asks_each_family_what_it_can_run(sm90a_only_family):
     on_hopper = builtin_specs(hopper)
     assert sm90a_only_family.name in _running_on(hopper) and sm90a_only_family.name not in _running_on(ampere)
     assert {spec.family for spec in on_hopper} == _running_on(hopper)
-    supported = [p for p in PROBLEMS if sm90a_only_family.supports(p, hopper) is None]  # all but the varlen ones
-    assert len(supported) == sum(not p.varlen for p in PROBLEMS)
+    supported = [p for p in PROBLEMS if sm90a_only_family.supports(p, hopper) is None]  # varlen too: it tiles per sequence
+    assert len(supported) == len(PROBLEMS)
     assert len([spec for spec in on_hopper if spec.family == sm90a_only_family.name]) == len(supported) + EXTRA_CONFIGS
     assert {spec.family for spec in builtin_specs(ampere)} == _running_on(ampere) == {"fwd_sm80"}
     assert sm90a_only_family.name in {spec.family for spec in random_spec_pool(3, 16, hopper)}

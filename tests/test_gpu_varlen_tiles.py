@@ -1,5 +1,5 @@
-"""attention_varlen through kernels that tile per sequence (Problem.varlen, fwd_sm90 on the H100;
-marker `gpu`): outputs and LSE against the float64 reference computed one sequence at a time
+"""attention_varlen through kernels that tile per sequence (Problem.varlen: fwd_sm90 and fwd_sm80, each test
+on both where the GPU runs them; marker `gpu`): outputs and LSE against the float64 reference computed one sequence at a time
 (attngen/reference.py attention_varlen), within attngen/tolerance.py's bounds. Covers sequences
 without rows or keys, of one token, Sq != Sk per sequence, GQA, every head dim, windows, chunked
 attention, softcap, ALiBi and sinks, more sequences than the tile builder's block holds, rows
@@ -13,6 +13,23 @@ import attngen
 from attngen import reference, tolerance, varlen
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(params=["fwd_sm90", "fwd_sm80"], autouse=True)
+def tiling_family(request, monkeypatch):
+    """Every test on each forward family that tiles per sequence, where this GPU runs it (fwd_sm90 needs
+    sm_90a; fwd_sm80 runs on the H100 too, pinned: varlen.PER_SEQUENCE_FAMILY)."""
+    import torch
+
+    from attngen import families, targets
+    from attngen.spec import AttentionSpec
+
+    problem = AttentionSpec(head_dim=128, mask="causal", varlen=True).problem
+    reason = families.get_family(request.param).supports(problem, targets.device_target(torch.cuda.current_device()))
+    if reason is not None:
+        pytest.skip(f"{request.param}: {reason}")
+    monkeypatch.setattr(varlen, "PER_SEQUENCE_FAMILY", request.param)
+    return request.param
 
 CASES = [  # (lengths_q, lengths_k, Hq, Hkv, D, dtype, mask, score_mod, sink)
     ([300, 0, 1, 517, 64], [300, 9, 1, 517, 0], 8, 2, 128, "bf16", "causal", None, None),
@@ -63,13 +80,16 @@ def check(out, lse, q, k, v, cu_q, cu_k, dtype, **kw):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[5]}-d{c[4]}-{c[6][:10]}-{c[7]}-{c[8]}")
-def test_per_sequence_tiles_match_the_reference(case):
+def test_per_sequence_tiles_match_the_reference(case, tiling_family):
     import torch
+
+    from attngen.spec import AttentionSpec
 
     lengths_q, lengths_k, Hq, Hkv, D, dtype, mask, score_mod, sink = case
     q, k, v, cu_q, cu_k, inputs = make(lengths_q, lengths_k, Hq, Hkv, D, dtype, seed=len(lengths_q) + D)
     theirs = _their_inputs(inputs, score_mod, sink) or None
-    assert varlen._per_sequence(q, k, v, mask, score_mod, sink, theirs, 0.0) is not None  # not the document mask
+    key = varlen._per_sequence(q, k, v, mask, score_mod, sink, theirs, 0.0)
+    assert key and AttentionSpec.from_key(key).family == tiling_family  # not the document mask
     with torch.no_grad():
         out, lse = attngen.attention_varlen(q, k, v, cu_q, cu_k, mask=mask, score_mod=score_mod, sink=sink,
                                             inputs=theirs, return_lse=True)

@@ -32,6 +32,7 @@ from attngen.families.base import (
     Launch,
     problem_inputs,
 )
+from attngen.families import varlen_tiles
 from attngen.faults import check_fault
 from attngen.masks import get_mask, mask_problem, row_interval
 from attngen.runtime_inputs import with_inputs
@@ -111,6 +112,16 @@ ARGUMENTS = Abi("FwdParams", [
 ])
 
 
+@functools.lru_cache(maxsize=None)
+def _varlen_arguments(block_m: int) -> tuple[Param, ...]:
+    """Packed sequences (Problem.varlen): what the tile builder and the kernel read of the call's list
+    (attngen/cuda/varlen_tiles.cuh), which fills the whole workspace (such masks have no block table)."""
+    return (Param("num_seqs", "int", "i32", varlen_tiles.num_seqs, "varlen: sequences (cu_seqlens entries - 1)"),
+            Param("m_blocks", "int", "i32", lambda c: varlen_tiles.capacity(block_m, c), "varlen: the list's capacity"),
+            Param("tile_counter", "int*", "ptr", lambda c: c.workspace, "varlen: the segment table and tile list "
+                  "(workspace)"))
+
+
 def _the_call(call: ForwardCall) -> ForwardCall:
     """What this family packs is the ForwardCall itself (attngen/runtime_inputs.py with_inputs)."""
     return call
@@ -154,7 +165,7 @@ class Sm80Forward(KernelFamily):
             return f"needs sm_80 or newer, not {target.name}"
         if problem.head_dim not in HEAD_DIMS:
             return f"head_dim {problem.head_dim} is not one of {HEAD_DIMS}"
-        return mask_problem(problem)
+        return mask_problem(problem, per_sequence_tiles=True)
 
     def check_config(self, config: Mapping[str, Any]) -> list[str]:
         problems = super().check_config(config)
@@ -228,9 +239,13 @@ class Sm80Forward(KernelFamily):
                                     config.block_m)
         if problem.dropout_p:
             abi = dropout.with_rng(abi, _the_call)
+        builder = ()
+        if problem.varlen:  # (mask_problem: a closed form without inputs, so no block table beside the list)
+            abi = Abi(abi.struct_name, [*abi.params, *_varlen_arguments(config.block_m)])
+            builder = (KernelPlan(f"{name}_tiles", varlen_tiles.BUILD_THREADS, 0, abi),)
         return Sm80Plan(
             family=self.name, name=name, problem=problem, target=target, config=config,
-            kernels=(KernelPlan(name, threads, smem, abi), *mask_table.kernels(name, table, abi)),
+            kernels=(KernelPlan(name, threads, smem, abi), *mask_table.kernels(name, table, abi), *builder),
             block_m=config.block_m, block_n=config.block_n,
             fault=fault, num_warps=config.num_warps, num_stages=config.num_stages, q_in_regs=q_in_regs,
             row_sums_in_smem=register_tight, sub_n=sub_n, threads=threads, smem_bytes=smem, min_blocks_per_sm=1,
@@ -240,11 +255,17 @@ class Sm80Forward(KernelFamily):
         return codegen.render(FOLDER, "fwd.cu.j2", plan=plan, abi=plan.kernels[0].abi)
 
     def workspace_bytes(self, plan: Sm80Plan, call: ForwardCall) -> int:
+        if plan.problem.varlen:
+            return varlen_tiles.workspace_bytes(plan.block_m, call)
         return mask_table.workspace_bytes(plan.mask_table, call, plan.block_m)
 
     def launches(self, plan: Sm80Plan, call: ForwardCall) -> list[Launch]:
-        grid = (math.ceil(call.seq_q / plan.block_m), call.heads_q, call.batch)
         params = plan.kernels[0].abi.pack(call)
+        if plan.problem.varlen:  # the list first, then a CTA per entry (its capacity) and query head
+            grid = (varlen_tiles.capacity(plan.block_m, call), call.heads_q, 1)
+            return [Launch(plan.kernels[-1].symbol, (1, 1, 1), (varlen_tiles.BUILD_THREADS, 1, 1), 0, params),
+                    Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, params)]
+        grid = (math.ceil(call.seq_q / plan.block_m), call.heads_q, call.batch)
         return [*mask_table.launches(plan, call, params),
                 Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, params)]
 

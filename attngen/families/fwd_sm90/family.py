@@ -39,7 +39,7 @@ from attngen.families.base import (
     Launch,
     problem_inputs,
 )
-from attngen.families import tma
+from attngen.families import tma, varlen_tiles
 from attngen.faults import check_fault
 from attngen.masks import get_mask, mask_problem
 from attngen.runtime_inputs import with_inputs
@@ -199,7 +199,6 @@ VARLEN_ARGUMENTS = (
     Param("o_s1", "i64", "i64", lambda a: a.call.out.strides[1], "varlen: out's row stride (elements)"),
     Param("o_s2", "i64", "i64", lambda a: a.call.out.strides[2], "varlen: out's head stride (elements)"),
 )
-VARLEN_BUILD_THREADS = 1024  # varlen_tiles.cuh BUILD_THREADS
 # A dynamic schedule over a mask's block table: each table row's query blocks ranked by the key blocks
 # they visit (the longest first), built by the reset kernel, a CTA per row and ORDER_THREADS query blocks.
 ORDER_ARGUMENTS = (
@@ -273,18 +272,8 @@ def launch_section_heads(plan: Sm90Plan, call: ForwardCall, m_blocks: int, sms: 
 
 
 def varlen_capacity(plan: Sm90Plan, call: ForwardCall) -> int:
-    """The most tiles (query blocks) a varlen call's list can hold: every sequence's blocks, one
-    ragged per sequence, and the rows before the first and after the last (varlen_tiles.cuh)."""
-    return math.ceil(call.seq_q / plan.block_m) + num_seqs(call) + 2
-
-
-def num_seqs(call: ForwardCall) -> int:
-    return call.input("cu_seqlens_q").shape[0] - 1
-
-
-def _varlen_bytes(plan: Sm90Plan, call: ForwardCall) -> int:
-    """The varlen workspace: header (4 ints), segment table (int4 per sequence + 2), tile list (int2)."""
-    return 16 + 16 * (num_seqs(call) + 2) + 8 * varlen_capacity(plan, call)
+    """The most tiles (query blocks) a varlen call's list can hold (attngen/families/varlen_tiles.py)."""
+    return varlen_tiles.capacity(plan.block_m, call)
 
 
 def _counter_offset(plan: Sm90Plan, call: ForwardCall) -> int:
@@ -447,7 +436,7 @@ class Sm90Forward(KernelFamily):
         ordered = _ordered(config.schedule, table, problem.varlen)
         if problem.varlen:
             abi = Abi(abi.struct_name, [*abi.params, *VARLEN_ARGUMENTS])
-            first = (KernelPlan(f"{name}_tiles", VARLEN_BUILD_THREADS, 0, abi),)
+            first = (KernelPlan(f"{name}_tiles", varlen_tiles.BUILD_THREADS, 0, abi),)
         elif ordered:
             abi = Abi(abi.struct_name, [*abi.params, *ORDER_ARGUMENTS])
             first = (KernelPlan(f"{name}_reset", ORDER_THREADS, 0, abi),)
@@ -477,7 +466,7 @@ class Sm90Forward(KernelFamily):
 
     def workspace_bytes(self, plan: Sm90Plan, call: ForwardCall) -> int:
         if plan.problem.varlen:
-            return _counter_offset(plan, call) + _varlen_bytes(plan, call)
+            return _counter_offset(plan, call) + varlen_tiles.workspace_bytes(plan.block_m, call)
         return _counter_offset(plan, call) + (mask_table.ALIGN if plan.schedule == "dynamic" else 0) \
             + _order_bytes(plan, call)
 
@@ -496,7 +485,7 @@ class Sm90Forward(KernelFamily):
         args = Sm90Args(call, m_blocks, tensor_map(call.q, plan.block_m), tensor_map(call.k, plan.block_n),
                         tensor_map(call.v, plan.block_n), tensor_map(call.out, 64),
                         call.workspace + _counter_offset(plan, call) if dynamic else 0, heads,
-                        num_seqs(call) if varlen else 0,
+                        varlen_tiles.num_seqs(call) if varlen else 0,
                         call.workspace + tile_order_offset(plan, call) if plan.tile_order else 0)
         tiles = m_blocks * call.heads_q * call.batch
         # Behind the call's own kernel that builds the tile list or zeroes the counter, the forward kernel is
@@ -504,7 +493,7 @@ class Sm90Forward(KernelFamily):
         # launch and set-up overlap that kernel, and it waits for its writes (flash_fwd_sm90.cuh pdl_wait).
         if varlen:
             params = plan.kernels[0].abi.pack(args)
-            return [Launch(plan.kernels[-1].symbol, (1, 1, 1), (VARLEN_BUILD_THREADS, 1, 1), 0, params),
+            return [Launch(plan.kernels[-1].symbol, (1, 1, 1), (varlen_tiles.BUILD_THREADS, 1, 1), 0, params),
                     Launch(plan.name, (min(tiles, sms), 1, 1), (plan.threads, 1, 1), plan.smem_bytes, params,
                            early=EARLY_AFTER_SETUP)]
         if plan.schedule == "pairs":  # pairs of tiles (an even count per head) dealt out to one CTA per SM at most

@@ -8,13 +8,14 @@
 //   covers [max(cu_q[0..s]), max(cu_q[0..s+1])) clipped to [0, Sq) (and likewise its keys): for
 //   nondecreasing cu_seqlens the sequence itself, for any other values disjoint ranges inside the
 //   tensors. Rows outside every sequence see no key (output 0; LSE -inf, or the sink's logit).
-// - the tile list: {segment, query block} per entry, sorted by key blocks visited, longest first
-//   (a counting sort over WORK_BUCKETS; ties in any order); the kernel runs each entry once per query
-//   head, in sections of heads (tiles.cuh varlen_tile), the longest first within each.
-// Workspace (p.tile_counter, ints): [0] the schedule's counter, [1] entries in the list, then the
-// segment table (int4, num_seqs + 2), then the list (int2, at most p.m_blocks entries).
+// - the tile list: {segment, query block} per entry, sorted by the key blocks it visits (the
+//   family's work_of), longest first (a counting sort over WORK_BUCKETS; ties in any order).
+// Shared by the forward families that tile per sequence (fwd_sm90 runs the entries once per query
+// head in sections of heads; fwd_sm80 one CTA per entry and head). Workspace (p.tile_counter,
+// ints): [0] a schedule's counter (zeroed), [1] entries in the list, then the segment table (int4,
+// num_seqs + 2), then the list (int2, at most p.m_blocks entries): attngen/families/varlen_tiles.py.
 // Needs Params members in_cu_seqlens_q/k (+ _s0), num_seqs, m_blocks (the list's capacity), Sq, Sk,
-// tile_counter, and fa90's Tile and kv_blocks.
+// tile_counter, and cfg::BLOCK_M.
 
 namespace varlen {
 
@@ -54,15 +55,24 @@ __device__ __forceinline__ int query_blocks(int rows) { return (rows + cfg::BLOC
 // The list slot of a tile visiting `work` key blocks: the most work first.
 __device__ __forceinline__ int bucket_of(int work) { return WORK_BUCKETS - 1 - min(work, WORK_BUCKETS - 1); }
 
-__device__ __forceinline__ int work_of(const FwdSm90Params& p, int4 seg, int m_block) {
-    return fa90::kv_blocks(p, fa90::Tile{m_block, 0, 0, seg.x, seg.z, seg.y, seg.w}).count();
+// Where the workspace holds the segment table and the list (above).
+constexpr int HEADER = 4;
+template <class P>
+__device__ __forceinline__ int4* segments(const P& p) {
+    return reinterpret_cast<int4*>(p.tile_counter + HEADER);
+}
+template <class P>
+__device__ __forceinline__ int2* tile_list(const P& p) {
+    return reinterpret_cast<int2*>(segments(p) + p.num_seqs + 2);
 }
 
 // Pass 0 counts each bucket's tiles, pass 1 places them. Chunks of BUILD_THREADS sequences: a
 // scan of their query blocks gives each sequence its first tile, and the chunk's tiles are spread
 // over the threads (a thread finds its tile's sequence by binary search), so one long sequence and
 // many short ones cost alike.
-__device__ void build(const FwdSm90Params& p) {
+// work_of(segment, query block): the key blocks that tile visits, by the family's own bounds.
+template <class P, class WorkOf>
+__device__ void build(const P& p, WorkOf work_of) {
     __shared__ int count[WORK_BUCKETS];
     __shared__ int first_tile[BUILD_THREADS + 1];
     __shared__ int warp_totals[32];
@@ -74,8 +84,8 @@ __device__ void build(const FwdSm90Params& p) {
     __shared__ int4 gaps[2];
     const int tid = threadIdx.x;
     const int n = p.num_seqs;
-    int4* seg = fa90::segments(p);
-    int2* list = fa90::tile_list(p);
+    int4* seg = segments(p);
+    int2* list = tile_list(p);
     auto add = [](int a, int b) { return a + b; };
     auto maximum = [](int a, int b) { return max(a, b); };
     auto q_end_of = [&](int s) { return s < n ? p.in_cu_seqlens_q[(long long)(s + 1) * p.in_cu_seqlens_q_s0] : 0; };
@@ -144,7 +154,7 @@ __device__ void build(const FwdSm90Params& p) {
                     if (first_tile[mid] <= e) lo = mid; else hi = mid;
                 }
                 const int m_block = e - first_tile[lo];
-                const int bucket = bucket_of(work_of(p, chunk_seg[lo], m_block));
+                const int bucket = bucket_of(work_of(chunk_seg[lo], m_block));
                 if (pass == 0) {
                     atomicAdd(&count[bucket], 1);
                 } else {
