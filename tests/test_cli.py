@@ -312,8 +312,8 @@ def test_check_reports_compile_errors_cleanly(specs, monkeypatch):
 
 def test_check_skips_the_default_targets_a_spec_cannot_run_on_and_refuses_a_named_one(monkeypatch):
     """`attngen check specs/*.yaml` (the README's example) holds specs some default target cannot run
-    (packed sequences tile per sequence on sm_90a only): those pairs are skipped with a note naming
-    the reason, not errors; a target named with --arch must run every spec."""
+    (the Hopper backward runs on sm_90a only): those pairs are skipped with a note naming the reason, not
+    errors; a target named with --arch must run every spec."""
     import attngen.build.nvcc
     import attngen.cli
 
@@ -333,11 +333,11 @@ def test_check_skips_the_default_targets_a_spec_cannot_run_on_and_refuses_a_name
     monkeypatch.setattr(attngen.build.nvcc, "find_nvcc", lambda: "nvcc")
     monkeypatch.setattr(attngen.build.nvcc, "nvcc_version", lambda: "0.0")
     monkeypatch.setattr(attngen.cli, "check_spec", fake_check)
-    path = Path(__file__).resolve().parents[1] / "specs" / "varlen_documents_causal_gqa4_d128_bf16.yaml"
+    path = Path(__file__).resolve().parents[1] / "specs" / "bwd_hopper_llama3_causal_gqa4_d128_bf16.yaml"
     result = invoke("check", path)
     text = " ".join(result.output.split())
     assert result.exit_code == 0 and checked == ["sm_90a"], result.output
-    assert f"note: {path} does not run on sm_80 (no forward family runs" in text and "name --arch sm_80" in text
+    assert f"note: {path} does not run on sm_80 (needs sm_90a" in text and "name --arch sm_80" in text
     result = invoke("check", "--arch", "sm_80", path)
     assert result.exit_code == 1 and "error: " in result.output and "Traceback" not in result.output
 
