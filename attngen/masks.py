@@ -318,6 +318,15 @@ def causal_shaped(text: str) -> bool:
     return True
 
 
+def is_band(text: str) -> bool:
+    """Whether a mask is none, causal or a band (attngen/maskc/bands.py): a closed form whose bounds are affine in
+    the row (no chunk's division)."""
+    from attngen.maskc.bands import band
+
+    mask = get_mask(text)
+    return mask.text in ("none", "causal") or band(mask.program.ir) is not None
+
+
 def row_interval(text: str) -> bool:
     """Whether a mask has a closed form (the built-ins none, causal, sliding windows, chunks and their
     conjunctions, and bands, attngen/maskc/bands.py: `q_idx >= kv_idx`, a context-parallel shard's

@@ -59,7 +59,8 @@ FLOAT_EXACT = 2**24  # positions a float32 holds exactly: modifiers read positio
 # document mask over batch 1; tests and benchmarks compare the two).
 PER_SEQUENCE_TILES = True
 # Which family tiles per sequence (None: the first that runs the spec on the GPU, fwd_sm90 on the H100;
-# tests and benchmarks pin "fwd_sm80" to run its kernels there too).
+# tests and benchmarks pin "fwd_sm80" to run its kernels there too). Read when a call is traced: under
+# torch.compile, set it before compiling (torch._dynamo.reset() after changing it).
 PER_SEQUENCE_FAMILY: str | None = None
 
 

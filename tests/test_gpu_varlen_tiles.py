@@ -177,7 +177,7 @@ def test_the_document_mask_path_agrees():
         check(out, lse, q, k, v, cu_q, cu_k, "bf16", mask="causal")
 
 
-def test_torch_compile_fullgraph_runs_both_paths():
+def test_torch_compile_fullgraph_runs_both_paths(tiling_family):
     """torch.compile(fullgraph=True) over attention_varlen: without gradients the per-sequence tiles
     (chosen at trace time: the graph's op is the varlen spec's), with them the document mask, whose
     per-token arrays are built inside the graph; both within tolerance, and the deterministic
@@ -200,7 +200,7 @@ def test_torch_compile_fullgraph_runs_both_paths():
     with torch.no_grad():
         out, lse = compiled(q, k, v, cu_q, cu_k, inputs["sinks"])
     keys = [str(n.args[3]) for n in graphs[-1].graph.nodes if n.op == "call_function" and "attngen" in str(n.target)]
-    assert len(keys) == 1 and '"varlen":true' in keys[0]
+    assert len(keys) == 1 and '"varlen":true' in keys[0] and f'"family":"{tiling_family}"' in keys[0]
     check(out, lse, q, k, v, cu_q, cu_k, "bf16", mask="causal", sink="sinks[h]", inputs={"sinks": inputs["sinks"]})
 
     qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))

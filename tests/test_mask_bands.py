@@ -132,7 +132,8 @@ def test_a_band_compiles_to_the_built_in_causal_kernel_but_for_its_predicate(fam
 def test_masks_with_closed_forms_take_causals_tile_and_other_expressions_do_not():
     """Which masks get the built-ins' tiles (masks.row_interval): those with a closed form (built-ins, their
     conjunctions, bands), whose rows are masked by two bounds; not masks without one (an `or`, inputs read at an
-    index), nor any expression with a score modifier or a sink."""
+    index), nor any expression with a score modifier or a sink; on fwd_sm80 beside dropout only causal-shaped
+    bands, in a packed sequence only bands (what compiles without spills there)."""
     assert all(masks.row_interval(m) for m in ("none", "causal", "q_idx >= kv_idx", "sliding_window(4095, 0)", OFFSETS,
                                                "chunked(8192)", "causal and chunked(100)"))
     assert not any(masks.row_interval(m) for m in ("prefix_lm(16)", "doc[b, q_idx] == doc[b, kv_idx] and causal",
@@ -146,6 +147,13 @@ def test_masks_with_closed_forms_take_causals_tile_and_other_expressions_do_not(
     assert tile(mask="q_idx >= kv_idx") == tile(mask="sliding_window(4095, 0)") == tile(mask="chunked(8192)") \
         == tile(mask="causal")
     assert tile(mask="prefix_lm(16)") != tile(mask="causal")  # a predicate per element: the expressions' tile
+    # Chunks divide per row: beside dropout or a packed sequence they keep the expressions' tile; bands do not.
+    assert tile(mask="chunked(100)", dropout_p=0.125) != tile(mask="causal", dropout_p=0.125)
+    assert tile(mask="chunked(100)", varlen=True) != tile(mask="causal", varlen=True)
+    assert tile(mask="sliding_window(255, 0)", varlen=True) == tile(mask="causal", varlen=True)
+    assert tile(mask="sliding_window(255, 0)", dropout_p=0.125) != tile(mask="causal", dropout_p=0.125)
+    assert tile(mask="q_idx >= kv_idx", dropout_p=0.125) == tile(mask="causal", dropout_p=0.125) \
+        == tile(mask="none", dropout_p=0.125) == tile(mask="none")
     assert tile(mask="q_idx >= kv_idx", score_mod="softcap(30)") != tile(mask="causal")
 
 
@@ -161,13 +169,18 @@ def test_closed_forms_compile_without_spills_at_the_tiles_they_take(family):
     if find_nvcc() is None:
         pytest.skip("nvcc not found")
     target = targets.target("sm_90a" if family == "fwd_sm90" else "sm_80")
-    cases = [(d, m) for d in HEAD_DIMS
+    cases = [(d, m, {}) for d in HEAD_DIMS
              for m in ("q_idx >= kv_idx", "sliding_window(4095, 0)", OFFSETS, "causal and chunked(100)")]
+    # Dropout's keep masks and (fwd_sm80) a packed sequence's tile beside them: chunks keep the smaller tile there.
+    cases += [(d, m, extra) for d in (64, 128) for m in ("sliding_window(255, 0)", "causal and chunked(100)", OFFSETS)
+              for extra in ({"dropout_p": 0.125}, {"varlen": True}) if not (extra.get("varlen") and m == OFFSETS)]
 
     def spills(case):
-        head_dim, mask = case
-        plan = families.plan_spec(AttentionSpec(head_dim=head_dim, dtype="bf16", mask=mask, family=family), target)
-        return case, plan.config.label(), nvcc.check_plan(plan).spill_bytes
+        head_dim, mask, extra = case
+        spec = AttentionSpec(head_dim=head_dim, dtype="bf16", mask=mask, family=family, **extra)
+        plan = families.plan_spec(spec, target)
+        report = nvcc.check_plan(plan)
+        return case, plan.config.label(), report.spill_bytes + sum(k.spill_bytes for k in report.kernels.values())
 
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(spills, cases))
