@@ -332,8 +332,9 @@ def row_interval(text: str) -> bool:
     conjunctions, and bands, attngen/maskc/bands.py: `q_idx >= kv_idx`, a context-parallel shard's
     `kv_idx + kv_offset <= q_idx + q_offset`). The kernels mask such rows as they mask the built-in
     causal's, by the row's two bounds (ROW_INTERVAL), with no predicate and no input read per element, so
-    a family may give it the tile it gives none and causal: no more registers live (tests/test_mask_bands.py
-    compiles them without spills at every head dim). Masks that read inputs at an index are not."""
+    a family may give it the tile it gives none and causal: no more registers live, but for what a family
+    holds beside them (fwd_sm80 default_config: chunks beside dropout or a packed sequence; the cases are
+    compiled in tests/test_mask_bands.py). Masks that read inputs at an index are not."""
     return get_mask(text).closed is not None
 
 

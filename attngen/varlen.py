@@ -62,6 +62,7 @@ PER_SEQUENCE_TILES = True
 # tests and benchmarks pin "fwd_sm80" to run its kernels there too). Read when a call is traced: under
 # torch.compile, set it before compiling (torch._dynamo.reset() after changing it).
 PER_SEQUENCE_FAMILY: str | None = None
+_TILING_FAMILIES = ("fwd_sm90", "fwd_sm80")  # the forward families with per-sequence tiles
 
 
 def declared_cu_seqlens() -> tuple:
@@ -178,7 +179,11 @@ def _per_sequence_key(key: str, device: int) -> str:
     spec key and asks the GPU which families run it: nothing to trace) and keeps the string as a
     constant (a spec object cannot be one, and dynamo traces through an lru_cache wrapper rather
     than honour the mark on it: hence a plain function of strings)."""
-    spec = _per_sequence_spec(key, device, PER_SEQUENCE_FAMILY)
+    family = PER_SEQUENCE_FAMILY
+    if family is not None and family not in _TILING_FAMILIES:
+        raise ValueError(f"attngen.varlen.PER_SEQUENCE_FAMILY={family!r} is invalid; allowed: None or one of "
+                         f"{list(_TILING_FAMILIES)}")
+    spec = _per_sequence_spec(key, device, family)
     return "" if spec is None else spec.key()
 
 

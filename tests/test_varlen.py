@@ -216,3 +216,14 @@ def test_a_bad_sink_is_named_as_a_sink(sink, match):
     cu = torch.tensor([0, 10], dtype=torch.int32)
     with pytest.raises(ValueError, match=match):
         attngen.attention_varlen(q, q, q, cu, cu, sink=sink)
+
+
+def test_a_pinned_tiling_family_must_be_one_that_tiles_per_sequence(monkeypatch):
+    """attngen.varlen.PER_SEQUENCE_FAMILY names a family with per-sequence tiles, or the call says so (it would
+    otherwise fall back to the document mask without a word)."""
+    from attngen.spec import AttentionSpec
+
+    monkeypatch.setattr(varlen, "PER_SEQUENCE_FAMILY", "fwd_sm70")
+    with pytest.raises(ValueError, match=r"PER_SEQUENCE_FAMILY='fwd_sm70' is invalid; allowed: None or one of "
+                                         r"\['fwd_sm90', 'fwd_sm80'\]"):
+        varlen._per_sequence_key(AttentionSpec(head_dim=64, mask="causal").key(), 0)
