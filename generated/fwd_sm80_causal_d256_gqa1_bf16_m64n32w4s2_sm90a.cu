@@ -528,12 +528,12 @@ struct Tile {
 };
 // Longest (last) query blocks first: under a causal mask they carry the most key blocks. VARLEN
 // (packed sequences): entry blockIdx.x of the call's tile list (attngen/cuda/varlen_tiles.cuh, the
-// longest first), or none (m_block -1) past its end.
+// longest first), or none (m_block -1) past its end: the builder fills the slots up to the list's
+// capacity (the grid), so one read answers both.
 __device__ __forceinline__ Tile tile_of(const Params& p) {
 #ifdef ATTNGEN_VARLEN
-    const int count = p.tile_counter[1];
-    const int2 entry = varlen::tile_list(p)[blockIdx.x];  // inside the list's capacity (the grid) even past count
-    if ((int)blockIdx.x >= count) return {-1, 0, 0, 0, 0, 0};
+    const int2 entry = varlen::tile_list(p)[blockIdx.x];
+    if (entry.y < 0) return {-1, 0, 0, 0, 0, 0};
     const int4 seg = varlen::segments(p)[entry.x];
     return {entry.y, 0, seg.y, seg.w, seg.x, seg.z};
 #else

@@ -10,6 +10,7 @@
 //   tensors. Rows outside every sequence see no key (output 0; LSE -inf, or the sink's logit).
 // - the tile list: {segment, query block} per entry, sorted by the key blocks it visits (the
 //   family's work_of), longest first (a counting sort over WORK_BUCKETS; ties in any order).
+//   Slots past the entries, up to the list's capacity, hold {0, -1}: no tile.
 // Shared by the forward families that tile per sequence (fwd_sm90 runs the entries once per query
 // head in sections of heads; fwd_sm80 one CTA per entry and head). Workspace (p.tile_counter,
 // ints): [0] a schedule's counter (zeroed), [1] entries in the list, then the segment table (int4,
@@ -107,6 +108,9 @@ __device__ void build(const P& p, WorkOf work_of) {
             const int c = count[tid];
             count[tid] = block_scan(c, add, warp_totals, total) - c;
             if (tid == 0) p.tile_counter[1] = min(total, p.m_blocks);
+            // The slots past the entries read as none (query block -1): a CTA reading its slot
+            // needs no count first (fwd_sm80), and no slot is left uninitialised.
+            for (int i = total + tid; i < p.m_blocks; i += BUILD_THREADS) list[i] = make_int2(0, -1);
             __syncthreads();
         }
         // Chunk c of sequences: thread tid holds sequence s = c + tid.
