@@ -82,6 +82,20 @@ def settle_clock(fn, seconds: float = SETTLE_SECONDS) -> int:
 ROUNDS = 6  # time_beside: runs per call, in turn with the others (an even count: the order reverses)
 
 
+def time_probe_case(fns: dict, label: str, settle: bool) -> dict[str, float]:
+    """A probe's case (bench/*_probe.py): time_beside over fns (no inputs), the clock settled first on the first
+    fn when `settle` (a probe's first case), each call that raised printed with `label` and left out."""
+    import torch
+
+    with torch.no_grad():
+        if settle:
+            settle_clock(next(iter(fns.values())))
+        times, errors = time_beside(fns, [()])
+    for name, exc in errors.items():
+        print(f"{label} {name}: {type(exc).__name__}: {exc}", flush=True)
+    return times
+
+
 def time_beside(fns: dict, input_sets, rounds: int = ROUNDS, repeats: int = REPEATS // ROUNDS,
                 warmup: int = WARMUP) -> tuple[dict[str, float], dict[str, Exception]]:
     """Median ms of each fn(*inputs), the calls timed in turn (`rounds` runs of `repeats` each, after

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from attngen.errors import show
+from attngen.maskc.bands import fold as _fold
 
 # The built-ins, for messages (docs/masks.md defines each in the language itself).
 BUILTINS = ("none", "causal", "sliding_window(left, right)", "chunked(size)", "prefix_lm(n)")
@@ -43,8 +44,10 @@ class ClosedForm:
     """Bounds over the query rows [m0, m1) in closed form: C++ for the kernel, Python for the model."""
 
     cuda: tuple[str, str, str, str]  # kv_begin, kv_end, full_begin, full_end over (m0, m1, Sq, Sk) and p's inputs
-    python: Callable[..., tuple[int, int, int, int]]  # (m0, m1, Sq, Sk), and inputs= where reads_inputs
-    reads_inputs: bool = False  # a band with scalar inputs (q_offset): python takes their values as inputs=
+    python: Callable[..., tuple[int, int, int, int]]  # (m0, m1, Sq, Sk), and inputs=, b= where reads_inputs
+    # A band reading inputs (a scalar q_offset, a length per batch row plen[b]): python takes their values as
+    # inputs= and the batch row as b=.
+    reads_inputs: bool = False
 
 
 # Bottom-right aligned causal (FlashAttention's convention): query q sees keys k <= q + (Sk - Sq).
@@ -65,14 +68,6 @@ def _clamp(x: int, Sk: int) -> int:
 def _clamped(expr: str) -> str:
     """C++ of a 64-bit bound clamped to [0, Sk], as an int (what _clamp is in Python)."""
     return f"(int)maskc_max(0LL, maskc_min((long long)Sk, {expr}))"
-
-
-def _fold(pick: str, exprs) -> str:
-    """C++ pick(pick(e0, e1), e2)... over two or more expressions (one: itself)."""
-    code = exprs[0]
-    for e in exprs[1:]:
-        code = f"{pick}({code}, {e})"
-    return code
 
 
 def _window(left: int, right: int) -> ClosedForm:
@@ -133,8 +128,8 @@ def band_form(program, input_ref) -> ClosedForm | None:
     """The closed form of a mask that is a band (attngen/maskc/bands.py), else None: row q sees
     [lo(q), hi(q)), lo the max of the lower bounds, hi the min of the upper ones, both never
     decreasing in q; so rows [m0, m1) see [lo(m0), hi(m1 - 1)) together and [lo(m1 - 1), hi(m0)) each.
-    Scalar inputs are read through input_ref in C++, and from inputs= in Python (0 where not given: the
-    tile model's stand-in)."""
+    Inputs are read through input_ref in C++ (one read at b at the bounds' `batch`), and from inputs= at b= in
+    Python (0 where not given: the tile model's stand-in)."""
     from attngen.maskc.bands import band
 
     found = band(program.ir)
@@ -150,14 +145,14 @@ def band_form(program, input_ref) -> ClosedForm | None:
     def hi(row: str) -> str:
         return cuda_side(found.upper, "maskc_min", "(long long)Sk", row)
 
-    def python(m0, m1, Sq, Sk, inputs=None):
+    def python(m0, m1, Sq, Sk, inputs=None, b=0):
         def lo_at(q):
-            return _clamp(max((b.at(q, Sq, Sk, inputs) for b in found.lower), default=0), Sk)
+            return _clamp(max((x.at(q, Sq, Sk, inputs, b) for x in found.lower), default=0), Sk)
 
         def hi_at(q):
-            return _clamp(min((b.at(q, Sq, Sk, inputs) for b in found.upper), default=Sk), Sk)
+            return _clamp(min((x.at(q, Sq, Sk, inputs, b) for x in found.upper), default=Sk), Sk)
         return lo_at(m0), hi_at(m1 - 1), lo_at(m1 - 1), hi_at(m0)
-    reads = any(b.inputs for b in (*found.lower, *found.upper))
+    reads = any(x.inputs for x in (*found.lower, *found.upper))
     return ClosedForm((lo("m0"), hi("m1 - 1"), lo("m1 - 1"), hi("m0")), python, reads)
 
 
@@ -196,9 +191,9 @@ class MaskLowering:
 
 
     def closed_bounds(self, m0: int, m1: int, Sq: int, Sk: int,
-                      inputs: dict | None = None) -> tuple[int, int, int, int]:
+                      inputs: dict | None = None, b: int = 0) -> tuple[int, int, int, int]:
         if self.closed.reads_inputs:
-            return self.closed.python(m0, m1, Sq, Sk, inputs=inputs)
+            return self.closed.python(m0, m1, Sq, Sk, inputs=inputs, b=b)
         return self.closed.python(m0, m1, Sq, Sk)
 
     def bounds(self, m0: int, m1: int, Sq: int, Sk: int, block_n: int, b: int = 0,
@@ -206,7 +201,7 @@ class MaskLowering:
         """(kv_begin, kv_end, full_begin, full_end) for query rows [m0, m1), as the kernel computes them
         (with the call's runtime inputs and the block table's granule: as its table holds them)."""
         if self.closed is not None:
-            return self.closed_bounds(m0, m1, Sq, Sk, inputs)
+            return self.closed_bounds(m0, m1, Sq, Sk, inputs, b)
         return scan_bounds(lambda n0, n1: self.program.classify(m0, m1 - 1, n0, n1 - 1, Sq, Sk, b=b, h=h,
                                                                 inputs=inputs, granule=granule), Sk, block_n)
 
@@ -294,8 +289,9 @@ def causal_shaped(text: str) -> bool:
     them as causal's; the choice affects speed only (docs/perf-notes.md "Per-tile cost"). A mask that
     reads inputs counts when it is causal shifted by them: a band with one upper bound, q plus lengths,
     scalars and a constant, and no lower bound (a context-parallel shard's `kv_idx + kv_offset <= q_idx +
-    q_offset`), whose tiles' lengths grow with the row as the built-in causal's do when Sq != Sk."""
-    from attngen.maskc.bands import band
+    q_offset`), whose tiles' lengths grow with the row as the built-in causal's do when Sq != Sk (not one read
+    per batch row: its tiles' lengths would differ from one row to the next)."""
+    from attngen.maskc.bands import AT_BATCH, Bound, band
     from attngen.maskc.ir import Var, walk
 
     mask = get_mask(text)
@@ -303,7 +299,9 @@ def causal_shaped(text: str) -> bool:
         return mask.text == "causal"
     if mask.program.inputs:
         shifted = band(mask.program.ir)
-        return shifted is not None and not shifted.lower and len(shifted.upper) == 1 and shifted.upper[0].slope == 1
+        return shifted is not None and not shifted.lower and len(shifted.upper) == 1 \
+            and isinstance(shifted.upper[0], Bound) and shifted.upper[0].slope == 1 \
+            and not any(name.endswith(AT_BATCH) for name, _ in shifted.upper[0].inputs)
     if any(isinstance(node, Var) and node.name in ("b", "h") for node in walk(mask.program.ir)):
         return False  # its shape may change from one batch or head to the next
     block = SHAPE_MODEL_BLOCK
@@ -319,12 +317,23 @@ def causal_shaped(text: str) -> bool:
 
 
 def is_band(text: str) -> bool:
-    """Whether a mask is none, causal or a band (attngen/maskc/bands.py): a closed form whose bounds are affine in
-    the row (no chunk's division)."""
-    from attngen.maskc.bands import band
+    """Whether a mask is none, causal or a band (attngen/maskc/bands.py) whose bounds are affine in the row: no
+    chunk's division, and no `or`'s max of two ends (a prefix's: 24 bytes spilled beside fwd_sm80's packed
+    sequences at d128)."""
+    from attngen.maskc.bands import Bound, band
 
     mask = get_mask(text)
-    return mask.text in ("none", "causal") or band(mask.program.ir) is not None
+    found = band(mask.program.ir)
+    return mask.text in ("none", "causal") or found is not None and all(isinstance(x, Bound) for x in found.upper)
+
+
+def bounds_read_at_batch(text: str) -> bool:
+    """Whether a mask's closed-form bounds read an input at the batch row (a prefix per sequence, `plen[b]`)."""
+    from attngen.maskc.bands import AT_BATCH, band
+
+    found = band(get_mask(text).program.ir)
+    return found is not None and any(name.endswith(AT_BATCH) for x in (*found.lower, *found.upper)
+                                     for name, _ in x.inputs)
 
 
 def row_interval(text: str) -> bool:

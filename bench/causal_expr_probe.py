@@ -48,13 +48,12 @@ def main() -> None:
     import torch
 
     import attngen
-    from attngen.bench import settle_clock, time_beside
+    from attngen.bench import time_probe_case
     from attngen.families import get_family
     from attngen.spec import AttentionSpec
 
     cases = [("fwd_sm80", d) for d in (64, 96, 128, 256)] + [("fwd_sm90", d) for d in (64, 128, 256)]
     rows = []
-    settled = False
     for family, head_dim in cases:
         heads = 8 if head_dim == 256 else 16
         q, k, v = (torch.randn(1, SEQLEN, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -68,13 +67,7 @@ def main() -> None:
         fns = {"causal": call("causal"), "expr": call(EXPR), "expr_old_tile": call(EXPR, old_config(family, head_dim, EXPR))}
         if family == "fwd_sm80" and head_dim == 128:
             fns |= {"window": call(WINDOW), "window_old_tile": call(WINDOW, old_config(family, head_dim, WINDOW))}
-        with torch.no_grad():
-            if not settled:
-                settle_clock(fns["causal"])
-                settled = True
-            times, errors = time_beside(fns, [()])
-        for name, exc in errors.items():
-            print(f"{family} d{head_dim} {name}: {type(exc).__name__}: {exc}", flush=True)
+        times = time_probe_case(fns, f"{family} d{head_dim}", settle=not rows)
         row = {"family": family, "head_dim": head_dim, "heads": heads, "seqlen": SEQLEN,
                "old_tile": old_config(family, head_dim, EXPR).label(), "ms": times,
                "expr_vs_causal": times.get("expr", float("nan")) / times["causal"],

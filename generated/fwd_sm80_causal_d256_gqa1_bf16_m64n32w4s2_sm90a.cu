@@ -339,8 +339,8 @@ __device__ __forceinline__ bool visible_from(int q, int k, int Sq, int Sk, int b
 
 // Closed forms of the bounds (attngen/masks.py; tests hold them to the scan of masks.scan_bounds).
 template <class P>
-__device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P& p) {
-    (void)p;  // a band's scalar inputs (attngen/maskc/bands.py) are read here
+__device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int batch, int, const P& p) {
+    (void)p; (void)batch;  // a band's inputs (attngen/maskc/bands.py: scalars, and lengths read at batch) are read here
     return {0, min(Sk, max(0, m1 + (Sk - Sq))), 0, min(Sk, max(0, m0 + 1 + (Sk - Sq)))};
 }
 

@@ -266,11 +266,6 @@ struct FwdSm90Params {
     int section_heads;  // dynamic schedule: (batch, head) pairs whose K/V share L2, a multiple of the GQA ratio
     const int* in_prefix;  // runtime input prefix (int32, 1 indices)
     i64 in_prefix_s0;
-    i64 in_prefix_n0;
-    int* sum_prefix;  // min and max of prefix per 16 positions (workspace)
-    int* mask_table;  // bounds per query block (workspace)
-    int mask_rows;  // (batch x heads) entries the table is kept for
-    int* tile_order;  // dynamic schedule: query blocks per table row, the most key blocks first (workspace)
 };
 static_assert(sizeof(FwdSm90Params) == 640, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 static_assert(alignof(FwdSm90Params) == 64, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
@@ -291,11 +286,6 @@ static_assert(__builtin_offsetof(FwdSm90Params, tile_counter) == 552, "host and 
 static_assert(__builtin_offsetof(FwdSm90Params, section_heads) == 560, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(FwdSm90Params, in_prefix) == 568, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 static_assert(__builtin_offsetof(FwdSm90Params, in_prefix_s0) == 576, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(FwdSm90Params, in_prefix_n0) == 584, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(FwdSm90Params, sum_prefix) == 592, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(FwdSm90Params, mask_table) == 600, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(FwdSm90Params, mask_rows) == 608, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
-static_assert(__builtin_offsetof(FwdSm90Params, tile_order) == 616, "host and device disagree on FwdSm90Params: see attngen/codegen/abi.py");
 #endif
 
 // Mask expr_18dfdbe6e4: kv_idx < prefix[b] or kv_idx <= q_idx + (kv_len - q_len)
@@ -389,7 +379,7 @@ __device__ __forceinline__ const int* key_blocks(int, int, int, int, int, const 
 // (true of every closed form: tests/test_masks.py holds them to the dense mask row by row), so a
 // kernel masks an element with two compares against its row's limits instead of the predicate, whose
 // 64-bit arithmetic and guarded evaluation cost ~80 cycles an element on the H100 (docs/perf-notes.md).
-constexpr bool ROW_INTERVAL = false;
+constexpr bool ROW_INTERVAL = true;
 // PURE: the element predicate reads no runtime input, so a kernel may evaluate it at any position; one
 // that reads inputs is evaluated at positions clamped into bounds (shown_in_bounds).
 constexpr bool PURE = false;
@@ -486,164 +476,11 @@ __device__ __forceinline__ bool visible_from(int q, int k, int Sq, int Sk, int b
     return true;  // (not KEYED: never called)
 }
 
-
-// No closed form: kernels of this module ran first this call (below), so the bounds of each query
-// block are in p.mask_table (attngen/mask_table.py).
-constexpr int GRANULE = 16;  // positions per summary of an input
-constexpr long long MAX_SPAN_GRANULES = 64;
-
+// Closed forms of the bounds (attngen/masks.py; tests hold them to the scan of masks.scan_bounds).
 template <class P>
-__device__ __forceinline__ long long table_row(int batch, int head, const P& p) {
-    (void)batch; (void)head; (void)p;
-    return (long long)batch * 1 + 0;
-}
-// The batch entry and head a table row is kept for (0 for what the mask does not read).
-template <class P>
-__device__ __forceinline__ int table_batch(long long row, const P& p) {
-    (void)row; (void)p;
-    return (int)(row / 1);
-}
-template <class P>
-__device__ __forceinline__ int table_head(long long row, const P& p) {
-    (void)row; (void)p;
-    return 0;
-}
-
-template <class P>
-__device__ __forceinline__ Bounds bounds(int m0, int, int Sq, int, int batch, int head, const P& p) {
-    const int m_blocks = (Sq + cfg::BLOCK_M - 1) / cfg::BLOCK_M;
-    const int4 t = reinterpret_cast<const int4*>(p.mask_table)[table_row(batch, head, p) * m_blocks + m0 / cfg::BLOCK_M];
-    return {t.x, t.y, t.z, t.w};
-}
-
-
-// prefix's values over positions [lo, hi] of its last index (the leading ones exact): the
-// element itself at one position, else the min and max of the granules the range touches
-// (unknown past MAX_SPAN_GRANULES of them: interval.py's granule_span). The leading indices are
-// values at real points of the block, inside the tensor: runtime_inputs.check bounded every
-// index over the call before launch.
-template <class P>
-__device__ __forceinline__ maskc_span span_prefix(const P& p, long long lo, long long hi) {
-    const long long n = p.in_prefix_n0;
-    if (lo < 0 || hi >= n || lo > hi || hi / GRANULE - lo / GRANULE >= MAX_SPAN_GRANULES)
-        return maskc_span{0LL, 0LL, false};
-    if (lo == hi) {
-        const long long v = p.in_prefix[lo * p.in_prefix_s0];
-        return maskc_span{v, v, true};
-    }
-    const long long row = 0LL;
-    const int* s = p.sum_prefix + 2 * row * ((n + GRANULE - 1) / GRANULE);
-    int v_lo = 0x7fffffff, v_hi = -0x7fffffff - 1;
-#pragma unroll 1
-    for (long long g = lo / GRANULE; g <= hi / GRANULE; ++g) {
-        v_lo = min(v_lo, s[2 * g]);
-        v_hi = max(v_hi, s[2 * g + 1]);
-    }
-    return maskc_span{v_lo, v_hi, true};
-}
-
-// 0: no element of the rectangle is visible, 2: every element is, 1: some may be (interval
-// arithmetic, sound); input ranges over a block come from the summaries.
-template <class P>
-__device__ __forceinline__ int classify(long long q_lo, long long q_hi, long long kv_lo, long long kv_hi,
-                                              long long q_len, long long kv_len, long long b, long long h,
-                                              const P& p) {
-    const maskc_span maskc_t0 = (true) ? span_prefix(p, b, b) : maskc_span{0LL, 0LL, false};
-    const long long maskc_t1 = kv_lo - maskc_t0.hi;
-    const long long maskc_t2 = kv_hi - maskc_t0.lo;
-    const bool maskc_t3 = !maskc_t0.ok || (maskc_t1 < 0);
-    const bool maskc_t4 = !maskc_t0.ok || (maskc_t2 >= 0);
-    const long long maskc_t5 = -q_hi + kv_lo - kv_len + q_len;
-    const long long maskc_t6 = -q_lo + kv_hi - kv_len + q_len;
-    const bool maskc_t7 = maskc_t5 <= 0;
-    const bool maskc_t8 = maskc_t6 > 0;
-    const bool maskc_t9 = maskc_t3 || maskc_t7;
-    const bool maskc_t10 = maskc_t4 && maskc_t8;
-    if (!(maskc_t9)) return 0;
-    if (!(maskc_t10)) return 2;
-    return 1;
-}
-
-// Kernel 1: per summarized input, the min and max of each GRANULE positions of each row.
-template <class P>
-__device__ void summarize(const P& p) {
-    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-
-    {
-        const long long n = p.in_prefix_n0, granules = (n + GRANULE - 1) / GRANULE;
-        const long long rows = 1LL;
-#pragma unroll 1
-        for (long long w = first; w < rows * granules; w += stride) {
-            const long long g = w % granules;
-            long long rest = w / granules, offset = 0;
-            (void)rest;
-
-            int v_lo = 0x7fffffff, v_hi = -0x7fffffff - 1;
-            const long long end = min(n, (g + 1) * GRANULE);
-#pragma unroll 1
-            for (long long j = g * GRANULE; j < end; ++j) {
-                const int v = p.in_prefix[offset + j * p.in_prefix_s0];
-                v_lo = min(v_lo, v);
-                v_hi = max(v_hi, v);
-            }
-            p.sum_prefix[2 * w] = v_lo;
-            p.sum_prefix[2 * w + 1] = v_hi;
-        }
-    }
-
-}
-
-// Kernel 2: one warp per (table row, query block) classifies the key blocks 32 at a time and
-// writes what the generic scan would find: the first and last non-empty block and the first run
-// of full ones (full blocks after it are masked per element: correct, a little slower).
-template <class P>
-__device__ void build_table(const P& p) {
-    const int lane = threadIdx.x % 32;
-    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    const int m_blocks = (p.Sq + cfg::BLOCK_M - 1) / cfg::BLOCK_M;
-    if (warp >= (long long)p.mask_rows * m_blocks) return;
-    const int row = (int)(warp / m_blocks), m_block = (int)(warp % m_blocks);
-    const int batch = table_batch(row, p), head = table_head(row, p);
-    const int m0 = m_block * cfg::BLOCK_M, m1 = min(m0 + cfg::BLOCK_M, p.Sq);
-    const int n_blocks = (p.Sk + cfg::BLOCK_N - 1) / cfg::BLOCK_N;
-    int kv_begin = 0, kv_end = 0, full_begin = 0, full_end = 0;
-    bool seen = false;
-    int run = 0;  // 0: no full block yet, 1: inside the first run of full blocks, 2: past it
-#pragma unroll 1
-    for (int base = 0; base < n_blocks; base += 32) {
-        const int i = base + lane;
-        int c = 0;
-        if (i < n_blocks) {
-            const int n0 = i * cfg::BLOCK_N, n1 = min(n0 + cfg::BLOCK_N, p.Sk);
-            c = classify(m0, m1 - 1, n0, n1 - 1, p.Sq, p.Sk, batch, head, p);
-        }
-        const unsigned nonempty = __ballot_sync(0xffffffffu, c != 0), full = __ballot_sync(0xffffffffu, c == 2);
-        if (nonempty != 0) {
-            if (!seen) kv_begin = (base + __ffs(nonempty) - 1) * cfg::BLOCK_N;
-            seen = true;
-            kv_end = min((base + 32 - __clz(nonempty)) * cfg::BLOCK_N, p.Sk);
-        }
-        int start = 0;  // the bit where the run starts or goes on in this chunk
-        if (run == 0 && full != 0) {
-            start = __ffs(full) - 1;
-            full_begin = (base + start) * cfg::BLOCK_N;
-            run = 1;
-        }
-        if (run == 1) {
-            const unsigned ends = ~full & (0xffffffffu << start);  // blocks from `start` on that are not full
-            if (ends == 0) {
-                full_end = min((base + 32) * cfg::BLOCK_N, p.Sk);
-            } else {
-                const int e = __ffs(ends) - 1;
-                if (e > start) full_end = min((base + e) * cfg::BLOCK_N, p.Sk);
-                run = 2;
-            }
-        }
-    }
-
-    if (lane == 0) reinterpret_cast<int4*>(p.mask_table)[warp] = make_int4(kv_begin, kv_end, full_begin, full_end);
-
+__device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int batch, int, const P& p) {
+    (void)p; (void)batch;  // a band's inputs (attngen/maskc/bands.py: scalars, and lengths read at batch) are read here
+    return {(int)maskc_max(0LL, maskc_min((long long)Sk, 0LL)), (int)maskc_max(0LL, maskc_min((long long)Sk, maskc_max(((long long)p.in_prefix[(batch) * p.in_prefix_s0]), ((long long)(m1 - 1) - (long long)Sq + (long long)Sk + 1LL)))), (int)maskc_max(0LL, maskc_min((long long)Sk, 0LL)), (int)maskc_max(0LL, maskc_min((long long)Sk, maskc_max(((long long)p.in_prefix[(batch) * p.in_prefix_s0]), ((long long)(m0) - (long long)Sq + (long long)Sk + 1LL))))};
 }
 
 
@@ -654,18 +491,6 @@ __device__ __forceinline__ int2 row_keys(int q, int Sq, int Sk, int batch, int h
     return make_int2(row.kv_begin, row.kv_end);
 }
 }  // namespace mask
-
-
-// The table's kernels (attngen/mask_table.py launches them before the attention kernel).
-extern "C" __global__ void __launch_bounds__(256)
-fwd_sm90_expr_18dfdbe6e4_d64_gqa1_bf16_m128n128s2opd_sm90a_mask_summaries(const __grid_constant__ FwdSm90Params p) {
-    mask::summarize(p);
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-fwd_sm90_expr_18dfdbe6e4_d64_gqa1_bf16_m128n128s2opd_sm90a_mask_table(const __grid_constant__ FwdSm90Params p) {
-    mask::build_table(p);
-}
 
 
 
@@ -756,8 +581,6 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[32], const u32 (&a)[4], u64 
 }
 
 
-// The dynamic schedule takes each (batch, head)'s query blocks in an order built per call from the block table.
-#define ATTNGEN_TILE_ORDER 1
 
 // The kernel: its headers, one piece each (flash_fwd_sm90.cuh, last, says what each holds).
 // ---- shapes.cuh: fwd_sm90's sizes, from the plan (namespace cfg): threads, tiles, shared memory, registers ----
@@ -2053,13 +1876,9 @@ fwd_sm90_expr_18dfdbe6e4_d64_gqa1_bf16_m128n128s2opd_sm90a(const __grid_constant
     fa90::flash_fwd_sm90(p);  // TMA reads the tensor maps in place: no local copy of p
 }
 
-// Zeroes the tile counter the persistent CTAs take their tiles from and ranks each block-table row's
-// query blocks (a CTA per row and ORDER_THREADS blocks; tiles.cuh order_tiles); launched after the table's
-// kernels, before the kernel, which may start at once (it waits for this one's writes: pdl_wait).
-static_assert(fa90::ORDER_THREADS == 256, "attngen/families/fwd_sm90/family.py ORDER_THREADS and the template disagree");
-extern "C" __global__ void __launch_bounds__(fa90::ORDER_THREADS, 1)
-fwd_sm90_expr_18dfdbe6e4_d64_gqa1_bf16_m128n128s2opd_sm90a_reset(const __grid_constant__ FwdSm90Params p) {
+// Zeroes the tile counter the persistent CTAs take their tiles from; launched before the kernel,
+// which may start at once (it waits for this one's write: pdl_wait).
+extern "C" __global__ void fwd_sm90_expr_18dfdbe6e4_d64_gqa1_bf16_m128n128s2opd_sm90a_reset(const __grid_constant__ FwdSm90Params p) {
     pdl_launch_dependents();
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *p.tile_counter = 0;
-    fa90::order_tiles(p);
+    *p.tile_counter = 0;
 }

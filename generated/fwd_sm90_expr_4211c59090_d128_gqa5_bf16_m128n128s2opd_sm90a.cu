@@ -474,8 +474,8 @@ __device__ __forceinline__ bool visible_from(int q, int k, int Sq, int Sk, int b
 
 // Closed forms of the bounds (attngen/masks.py; tests hold them to the scan of masks.scan_bounds).
 template <class P>
-__device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int, int, const P& p) {
-    (void)p;  // a band's scalar inputs (attngen/maskc/bands.py) are read here
+__device__ __forceinline__ Bounds bounds(int m0, int m1, int Sq, int Sk, int batch, int, const P& p) {
+    (void)p; (void)batch;  // a band's inputs (attngen/maskc/bands.py: scalars, and lengths read at batch) are read here
     return {max(0, (int)maskc_max(0LL, maskc_min((long long)Sk, (long long)maskc_floordiv32(min(m0, Sq) - Sq + Sk, 8192) * 8192LL))), min(min(Sk, max(0, m1 + (Sk - Sq))), (int)maskc_max(0LL, maskc_min((long long)Sk, ((long long)maskc_floordiv32(min(m1 - 1, Sq) - Sq + Sk, 8192) + 1) * 8192LL))), max(0, (int)maskc_max(0LL, maskc_min((long long)Sk, (long long)maskc_floordiv32(min(m0, Sq) - Sq + Sk, 8192) * 8192LL))), min(min(Sk, max(0, m0 + 1 + (Sk - Sq))), (int)maskc_max(0LL, maskc_min((long long)Sk, ((long long)maskc_floordiv32(min(m0, Sq) - Sq + Sk, 8192) == (long long)maskc_floordiv32(min(m1 - 1, Sq) - Sq + Sk, 8192) ? (long long)maskc_floordiv32(min(m0, Sq) - Sq + Sk, 8192) + 1 : (long long)maskc_floordiv32(min(m0, Sq) - Sq + Sk, 8192)) * 8192LL)))};
 }
 

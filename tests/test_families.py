@@ -220,7 +220,9 @@ def test_sm90_short_sequences_take_their_own_defaults(monkeypatch):
     # A causal-shaped band takes causal's config for the call's length (pairs when short at d64), another
     # causal-shaped expression causal's schedule on the expressions' tile.
     assert label(64, "q_idx >= kv_idx", 512) == "m128n128s2opr" and label(64, "q_idx >= kv_idx", 4096) == "m192n128s2opd"
-    assert label(64, "prefix_lm(16)", 512) == "m128n128s2opr" and label(64, "prefix_lm(16)", 4096) == "m128n128s2opd"
+    assert label(64, "prefix_lm(16)", 4096) == "m192n128s2opd"  # a band too: prefixes have closed forms
+    shaped = "kv_idx <= q_idx or kv_idx < 16 and kv_idx % 2 == 0"  # causal-shaped, no closed form
+    assert label(64, shaped, 512) == "m128n128s2opr" and label(64, shaped, 4096) == "m128n128s2opd"
 
     # The front door asks for the bucket of max(Sq, Sk): 1,000 and 1,024 tokens are short, 1,025 is not.
     monkeypatch.setattr(dispatch.targets, "device_target", lambda device: H100)

@@ -112,11 +112,16 @@ def test_dtypes_and_head_dims_match_the_reference(dtype, head_dim):
 
 @pytest.mark.parametrize("dtype, head_dim", [("bf16", 128), ("fp16", 64)])
 @pytest.mark.parametrize("mask", ["none", "causal", "sliding_window(64, 0)", DOC_MASK,
-                                  "q_idx - kv_idx < 100 and kv_idx <= q_idx"])  # a band written out
+                                  "q_idx - kv_idx < 100 and kv_idx <= q_idx",  # a band written out
+                                  "prefix_lm(plen[b])"])  # a prefix per batch row: closed-form bounds read at b
 def test_masks_match_the_reference(dtype, head_dim, mask):
+    import torch
+
     B, S = 2, 300
     q, k, v, dout = _tensors(B, S, S, 8, 2, head_dim, dtype, seed=7)
     inputs = {"doc": _doc_ids(B, S, seed=3)} if mask == DOC_MASK else None
+    if "plen" in mask:
+        inputs = {"plen": torch.tensor([150, 0], dtype=torch.int32, device="cuda")}
     check(q, k, v, dout, mask=mask, inputs=inputs)
 
 

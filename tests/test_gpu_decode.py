@@ -144,6 +144,7 @@ CASES = [
     ("causal", None, "sinks[h]", 128, 8, 1),
     ("none", None, None, 128, 16, 16),
     ("kv_idx > q_idx + kv_len - q_len - 200 and kv_idx <= q_idx + (kv_len - q_len)", None, None, 128, 4, 3),  # a band
+    ("prefix_lm(plen[b])", None, None, 128, 4, 3),  # a prefix per sequence: bounds read at the batch row
 ]
 
 
@@ -159,6 +160,8 @@ def test_masks_modifiers_and_sinks_match_the_reference(mask, score_mod, sink, he
         inputs["slope"] = torch.rand(ratio * Hkv, device="cuda") * 0.1
     if sink:
         inputs["sinks"] = torch.randn(ratio * Hkv, device="cuda")
+    if "plen" in mask:
+        inputs["plen"] = torch.tensor([1, 700, 5, 1600], dtype=torch.int32, device="cuda")
     for page_size in (32, 128, None):  # pages of 128: whole key blocks (their own plan)
         k, v, table = make_cache(B, 1536, Hkv, head_dim, page_size or 0, seed=3, paged=page_size is not None)
         q = _q(B, new, ratio * Hkv, head_dim, 4, scale=3.0 if score_mod else 1.0)

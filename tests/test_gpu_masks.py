@@ -277,3 +277,18 @@ def test_context_parallel_offsets_match_the_reference(gpu_family, mask):
         out, lse = run_checked(spec, q, k, v, inputs)
         if q_offset + 200 <= kv_offset:  # every row before the first key
             assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefix_lengths_per_batch_row_match_the_reference(gpu_family, head_dim):
+    """prefix_lm(plen[b]): each batch row's prefix length read by the closed-form bounds at its row (a band with an
+    `or`: attngen/maskc/bands.py Widest), so no block table. Prefixes of 0, inside a block, across blocks, past the
+    keys and negative; Sq == Sk and Sq != Sk (bottom-right causal past the prefix)."""
+    import torch
+
+    spec = AttentionSpec(head_dim=head_dim, mask="prefix_lm(plen[b])", gqa_ratio=2, family=gpu_family)
+    for (Sq, Sk), lengths in (((300, 300), [0, 77, 1000, 129, -5]), ((129, 517), [400, 0, 3, 517, 200])):
+        q, k, v = _inputs(len(lengths), Sq, Sk, 2, 2, head_dim, seed=Sq + 7)
+        plen = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        run_checked(spec, q, k, v, {"plen": plen})
+    assert mask_table.for_problem(spec.problem) is None

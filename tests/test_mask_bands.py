@@ -34,17 +34,26 @@ BANDS = ["q_idx >= kv_idx", "kv_idx <= q_idx", "not (kv_idx > q_idx)", "q_idx - 
          # abs, min and max that split into comparisons
          "abs(q_idx - kv_idx) <= 12", "not (abs(kv_idx - q_idx - 3) > 5)", "kv_idx < min(q_idx + 1, 40)",
          "kv_idx > max(q_idx - 30, kv_len - q_len - 40)", "max(kv_idx, q_idx - 5) < q_idx", "abs(q_idx - kv_idx) < -1",
-         "kv_idx >= max(q_idx - 20, 3, lim) and abs(kv_idx - q_offset) < 50"]
-# The scalar inputs' values in these tests (int32, as attngen passes them).
-INPUTS = {"q_offset": 37, "kv_offset": -11, "lim": 9}
+         "kv_idx >= max(q_idx - 20, 3, lim) and abs(kv_idx - q_offset) < 50",
+         # lengths read at b, and `or`s of bands that start alike: prefixes
+         "prefix_lm(16)", "prefix_lm(plen[b])", "kv_idx < plen[b] + q_offset", "kv_idx < 5 or causal",
+         "(kv_idx < lim or kv_idx <= q_idx) and kv_idx >= q_idx - 30", "kv_idx < plen[b] or kv_idx < 4 or q_idx >= kv_idx",
+         "(kv_idx >= 3 and kv_idx < 10) or (kv_idx >= 3 and kv_idx <= q_idx)", "kv_idx < 7 or kv_idx < lim or kv_idx < q_idx - 4",
+         "(kv_idx < 2 or kv_idx < plen[b]) and (kv_idx < q_idx + 40 or kv_idx < 7)"]
+# The inputs' values in these tests (int32, as attngen passes them): scalars, and plen, read at b, per batch row.
+INPUTS = {"q_offset": 37, "kv_offset": -11, "lim": 9, "plen": [5, 0, 60]}
 NOT_BANDS = ["2 * kv_idx < q_idx", "kv_idx != q_idx", "q_idx + kv_idx < 10", "kv_idx < q_idx or kv_idx > 3",
              "kv_idx * q_idx < 5", "h == 1 and kv_idx < q_idx", "kv_idx < doc[h]", "q_idx < 5", "kv_idx % 3 != 1",
              "kv_idx < b + 3", "abs(q_idx - kv_idx) >= 5", "kv_idx < max(q_idx, 5)", "max(kv_idx, 10) < q_idx",
              "kv_idx < q_len // 2", "kv_idx <= q_idx and q_idx > 3",
+             # `or`s whose sides start apart (a hole between them), reads at h or at a position
+             "kv_idx < 3 or kv_idx > 5", "(kv_idx > 2 and kv_idx < 5) or kv_idx <= q_idx", "kv_idx < plen[h] or causal",
+             "kv_idx < doc[b, q_idx] or causal", "kv_idx < 4 or kv_idx % 2 == 0",
              "kv_idx < 2199023255552",  # a constant past bands.MAX_CONSTANT
              # sides that would wrap around in 64 bits though their difference is small
              "kv_idx + 4611686018427387903 * q_len < q_idx + 4611686018427387903 * q_len"]
 
+OFFSETS = "kv_idx + kv_offset <= q_idx + q_offset"
 _OPS = ("<", "<=", ">", ">=", "==")
 _SWAPPED = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "=="}
 
@@ -64,6 +73,9 @@ def band_texts(draw) -> str:
         term = f"{kv} {op} {right}" if draw(st.booleans()) else f"{right} {_SWAPPED[op]} {kv}"
         if op in ("<", "<=") and draw(st.integers(0, 3)) == 0:  # |kv - right| below a width, as abs()
             terms.append(f"abs({kv} - ({right})) {op} {draw(st.integers(-3, 40))}")
+        elif kv == "kv_idx" and op in ("<", "<=") and draw(st.integers(0, 3)) == 0:  # a prefix: an `or` of ends
+            other = draw(st.sampled_from(("plen[b]", "lim", "q_idx + kv_len - q_len", "q_idx - 9")))
+            terms.append(f"({term} or kv_idx < {other} + {draw(st.integers(-5, 30))})")
         else:
             terms.append(f"not ({term})" if op != "==" and draw(st.integers(0, 3)) == 0 else term)
     return " and ".join(terms)
@@ -85,12 +97,14 @@ def test_band_bounds_are_exact_per_row_and_sound_per_block(text, Sq, Sk, block_m
     """Every row sees exactly [kv_begin, kv_end) of bounds(q, q + 1) (mask.cuh.j2 ROW_INTERVAL); rows [m0, m1)
     see nothing outside [kv_begin, kv_end), and [full_begin, full_end) is exactly the keys all of them see."""
     mask = masks.get_mask(text)
-    values = {name: data.draw(st.integers(-100, 100), label=name) for name in INPUTS}
-    dense = assert_rows_are_their_intervals(text, Sq, Sk, values)
+    values = {name: data.draw(st.integers(-100, 100), label=name) for name in INPUTS if name != "plen"}
+    values["plen"] = data.draw(st.lists(st.integers(-100, 100), min_size=3, max_size=3), label="plen")
+    b = data.draw(st.integers(0, 2), label="b")
+    dense = assert_rows_are_their_intervals(text, Sq, Sk, values, b)
     keys = torch.arange(Sk)
     m0 = data.draw(st.integers(0, Sq - 1))
     m1 = min(Sq, m0 + block_m)
-    kv_begin, kv_end, full_begin, full_end = mask.closed_bounds(m0, m1, Sq, Sk, values)
+    kv_begin, kv_end, full_begin, full_end = mask.closed_bounds(m0, m1, Sq, Sk, values, b)
     rows = dense[m0:m1]
     outside = (keys < kv_begin) | (keys >= kv_end)
     assert not rows[:, outside].any(), (text, Sq, Sk, m0, m1)
@@ -131,13 +145,14 @@ def test_a_band_compiles_to_the_built_in_causal_kernel_but_for_its_predicate(fam
 
 def test_masks_with_closed_forms_take_causals_tile_and_other_expressions_do_not():
     """Which masks get the built-ins' tiles (masks.row_interval): those with a closed form (built-ins, their
-    conjunctions, bands), whose rows are masked by two bounds; not masks without one (an `or`, inputs read at an
-    index), nor any expression with a score modifier or a sink; on fwd_sm80 beside dropout only causal-shaped
-    bands, in a packed sequence only bands (what compiles without spills there)."""
+    conjunctions, bands and prefixes), whose rows are masked by two bounds; not masks without one (an `or` with a
+    hole, inputs read at a position), nor any expression with a score modifier or a sink; on fwd_sm80 beside dropout
+    only causal-shaped bands without inputs, in a packed sequence only bands (what compiles without spills there)."""
     assert all(masks.row_interval(m) for m in ("none", "causal", "q_idx >= kv_idx", "sliding_window(4095, 0)", OFFSETS,
-                                               "chunked(8192)", "causal and chunked(100)"))
-    assert not any(masks.row_interval(m) for m in ("prefix_lm(16)", "doc[b, q_idx] == doc[b, kv_idx] and causal",
-                                                   "prefix_lm(plen[b])", "kv_idx % 5 != 2 or causal"))
+                                               "chunked(8192)", "causal and chunked(100)", "prefix_lm(16)",
+                                               "prefix_lm(plen[b])"))
+    assert not any(masks.row_interval(m) for m in ("doc[b, q_idx] == doc[b, kv_idx] and causal",
+                                                   "kv_idx % 5 != 2 or causal", "kv_idx < plen[h] or causal"))
     sm80 = families.get_family("fwd_sm80")
     target = targets.target("sm_80")
 
@@ -145,8 +160,18 @@ def test_masks_with_closed_forms_take_causals_tile_and_other_expressions_do_not(
         return sm80.default_config(AttentionSpec(head_dim=128, **fields).problem, target)
 
     assert tile(mask="q_idx >= kv_idx") == tile(mask="sliding_window(4095, 0)") == tile(mask="chunked(8192)") \
-        == tile(mask="causal")
-    assert tile(mask="prefix_lm(16)") != tile(mask="causal")  # a predicate per element: the expressions' tile
+        == tile(mask="prefix_lm(16)") == tile(mask="prefix_lm(plen[b])") == tile(mask="causal")
+    # a predicate per element: the expressions' tile
+    assert tile(mask="kv_idx < plen[h] or causal") == tile(mask="causal", score_mod="softcap(30)") != tile(mask="causal")
+    assert tile(mask="prefix_lm(plen[b])", dropout_p=0.125) != tile(mask="causal", dropout_p=0.125)
+    # a prefix's `or` (the max of two ends) spilled beside a packed sequence's tile: the smaller tile there
+    assert tile(mask="prefix_lm(16)", varlen=True) != tile(mask="causal", varlen=True)
+    # and a prefix read per batch row spilled at d128 for sm_90a, where causal's tile is at 255 registers
+    hopper = targets.target("sm_90a")
+    assert sm80.default_config(AttentionSpec(head_dim=128, mask="prefix_lm(plen[b])").problem, hopper) \
+        != sm80.default_config(AttentionSpec(head_dim=128, mask="causal").problem, hopper)
+    assert sm80.default_config(AttentionSpec(head_dim=64, mask="prefix_lm(plen[b])").problem, hopper) \
+        == sm80.default_config(AttentionSpec(head_dim=64, mask="causal").problem, hopper)
     # Chunks divide per row: beside dropout or a packed sequence they keep the expressions' tile; bands do not.
     assert tile(mask="chunked(100)", dropout_p=0.125) != tile(mask="causal", dropout_p=0.125)
     assert tile(mask="chunked(100)", varlen=True) != tile(mask="causal", varlen=True)
@@ -170,10 +195,12 @@ def test_closed_forms_compile_without_spills_at_the_tiles_they_take(family):
         pytest.skip("nvcc not found")
     target = targets.target("sm_90a" if family == "fwd_sm90" else "sm_80")
     cases = [(d, m, {}) for d in HEAD_DIMS
-             for m in ("q_idx >= kv_idx", "sliding_window(4095, 0)", OFFSETS, "causal and chunked(100)")]
+             for m in ("q_idx >= kv_idx", "sliding_window(4095, 0)", OFFSETS, "causal and chunked(100)",
+                       "prefix_lm(plen[b])", "prefix_lm(16) and sliding_window(4095, 0)")]
     # Dropout's keep masks and (fwd_sm80) a packed sequence's tile beside them: chunks keep the smaller tile there.
-    cases += [(d, m, extra) for d in (64, 128) for m in ("sliding_window(255, 0)", "causal and chunked(100)", OFFSETS)
-              for extra in ({"dropout_p": 0.125}, {"varlen": True}) if not (extra.get("varlen") and m == OFFSETS)]
+    cases += [(d, m, extra) for d in (64, 128)
+              for m in ("sliding_window(255, 0)", "causal and chunked(100)", OFFSETS, "prefix_lm(16)", "prefix_lm(plen[b])")
+              for extra in ({"dropout_p": 0.125}, {"varlen": True}) if not (extra.get("varlen") and m in (OFFSETS, "prefix_lm(plen[b])"))]
 
     def spills(case):
         head_dim, mask, extra = case
@@ -206,21 +233,23 @@ def test_emitted_bounds_match_the_python_ones(tmp_path):
         "kv_idx >= q_idx - 1000 and kv_idx < q_idx + kv_len - q_len + 7", "kv_idx == q_idx + kv_len - q_len",
         "chunked(100)", "chunked(8192) and causal", "chunked(1073741824)"]  # chunks divide in 32 bits
     cases = _cases(r)
-    values = {"q_offset": 2**31 - 5, "kv_offset": -(2**31) + 3, "lim": 123456}  # int32's ends, in 64 bits inside
+    # int32's ends, in 64 bits inside; plen is read at the batch row, c % 3 for case c
+    values = {"q_offset": 2**31 - 5, "kv_offset": -(2**31) + 3, "lim": 123456, "plen": [2**31 - 7, -(2**31) + 1, 300]}
     functions, calls = [], []
     for i, text in enumerate(texts):
         closed = masks.get_mask(text).closed
-        functions.append(f"static void bounds_{i}(int m0, int m1, int Sq, int Sk, const Inputs& p, int* out) {{\n"
-                         "    (void)p;\n"
+        functions.append(f"static void bounds_{i}(int m0, int m1, int Sq, int Sk, int batch, const Inputs& p, int* out) {{\n"
+                         "    (void)p; (void)batch;\n"
                          f"    const int v[4] = {{{', '.join(closed.cuda)}}};\n"
                          "    for (int j = 0; j < 4; ++j) out[j] = v[j];\n}\n")
         calls.append(f"    for (int c = 0; c < {len(cases)}; ++c) {{"
-                     f" bounds_{i}(C[c][0], C[c][1], C[c][2], C[c][3], p, out);"
+                     f" bounds_{i}(C[c][0], C[c][1], C[c][2], C[c][3], c % 3, p, out);"
                      f' printf("%d %d %d %d\\n", out[0], out[1], out[2], out[3]); }}')
     rows = ", ".join("{" + ", ".join(map(str, c)) + "}" for c in cases)
-    fields = "".join(f"    const int* in_{name};\n" for name in values)
-    storage = "".join(f"    static const int {name}_value = {v};\n" for name, v in values.items())
-    inputs = ", ".join(f"&{name}_value" for name in values)
+    fields = "".join(f"    const int* in_{name};\n" for name in values) + "    long long in_plen_s0;\n"
+    storage = "".join(f"    static const int {name}_value[] = {{{', '.join(map(str, v if isinstance(v, list) else [v]))}}};\n"
+                      for name, v in values.items())
+    inputs = ", ".join(f"{name}_value" for name in values) + ", 1"
     source = (f"#include <cstdio>\n{cuda_preamble()}\nstruct Inputs {{\n{fields}}};\n" + "".join(functions)
               + f"static const int C[{len(cases)}][4] = {{{rows}}};\nint main() {{\n{storage}"
               + f"    const Inputs p{{{inputs}}};\n    int out[4];\n" + "\n".join(calls) + "\n    return 0;\n}\n")
@@ -232,31 +261,30 @@ def test_emitted_bounds_match_the_python_ones(tmp_path):
     for i, text in enumerate(texts):
         mask = masks.get_mask(text)
         for j, case in enumerate(cases):
-            expected = " ".join(map(str, mask.closed_bounds(*case, values)))
+            expected = " ".join(map(str, mask.closed_bounds(*case, values, j % 3)))
             assert printed[i * len(cases) + j] == expected, (text, case)
-
-
-OFFSETS = "kv_idx + kv_offset <= q_idx + q_offset"
 
 
 @pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found (PATH or $CUDA_HOME/bin)")
 @pytest.mark.parametrize("name", [*families.FAMILIES, *families.DECODE_FAMILIES, *families.BACKWARD_FAMILIES])
-def test_every_family_builds_a_band_that_reads_scalar_inputs(name):
-    """A context-parallel shard's causal mask: every family's kernel takes its bounds from the closed form,
-    which reads the offsets through the argument struct (no block table), and compiles without spills. (bwd_sm90
-    at d128 runs at 255 registers and spilled 8 bytes under this mask through the block table too, so it is
-    checked at d64.)"""
+@pytest.mark.parametrize("mask, reads", [(OFFSETS, ("p.in_q_offset[0]", "p.in_kv_offset[0]")),
+                                         ("prefix_lm(plen[b])", ("p.in_plen[(batch) * p.in_plen_s0]",))])
+def test_every_family_builds_a_band_that_reads_inputs(name, mask, reads):
+    """A context-parallel shard's causal mask, and a prefix per batch row: every family's kernel takes its bounds
+    from the closed form, which reads the offsets (or the row's prefix) through the argument struct (no block
+    table), and compiles without spills. (bwd_sm90 at d128 runs at 255 registers and spilled 8 bytes under the
+    shard's mask through the block table too, so it is checked at d64.)"""
     from attngen.build import nvcc
 
     family = families.get_family(name)
     head_dim = 64 if name == "bwd_sm90" else 128
     target = next(targets.target(a) for a in ("sm_90a", "sm_80")
-                  if family.supports(AttentionSpec(head_dim=head_dim, mask=OFFSETS).problem, targets.target(a)) is None)
-    plan = families.plan_spec(AttentionSpec(head_dim=head_dim, mask=OFFSETS, family=name), target)
+                  if family.supports(AttentionSpec(head_dim=head_dim, mask=mask).problem, targets.target(a)) is None)
+    plan = families.plan_spec(AttentionSpec(head_dim=head_dim, mask=mask, family=name), target)
     source = family.render(plan)
     bounds = source[source.index("Bounds bounds("):]
     bounds = bounds[:bounds.index("\n}\n")]
-    assert "p.in_q_offset[0]" in bounds and "p.in_kv_offset[0]" in bounds and "_mask_table(" not in source
+    assert all(read in bounds for read in reads) and "_mask_table(" not in source
     assert nvcc.check_plan(plan).spill_bytes == 0
 
 

@@ -84,17 +84,17 @@ def test_closed_forms_of_one_row_are_exactly_its_visible_keys(text, Sq, Sk):
     assert_rows_are_their_intervals(text, Sq, Sk)
 
 
-def assert_rows_are_their_intervals(text: str, Sq: int, Sk: int, inputs: dict | None = None) -> torch.Tensor:
-    """Every row's visible keys are exactly [kv_begin, kv_end) of the closed form over that row (with the scalar
-    inputs' values `inputs`, ints); returns the dense mask."""
+def assert_rows_are_their_intervals(text: str, Sq: int, Sk: int, inputs: dict | None = None, b: int = 0) -> torch.Tensor:
+    """Every row's visible keys are exactly [kv_begin, kv_end) of the closed form over that row (with the inputs'
+    values `inputs`: ints for scalars, lists for inputs read at b) in batch row b; returns the dense mask."""
     mask = masks.get_mask(text)
     assert mask.closed is not None, text
     tensors = {name: torch.tensor(v) for name, v in (inputs or {}).items()}
     dense = torch.broadcast_to(torch.as_tensor(mask.dense_visible(torch.arange(Sq)[:, None], torch.arange(Sk)[None, :],
-                                                                  Sq, Sk, inputs=tensors)), (Sq, Sk))
+                                                                  Sq, Sk, b=b, inputs=tensors)), (Sq, Sk))
     keys = torch.arange(Sk)
     for q in range(Sq):
-        kv_begin, kv_end, _, _ = mask.closed_bounds(q, q + 1, Sq, Sk, inputs)
+        kv_begin, kv_end, _, _ = mask.closed_bounds(q, q + 1, Sq, Sk, inputs, b)
         interval = (keys >= kv_begin) & (keys < kv_end)
         assert torch.equal(dense[q], interval), f"{text}: row {q} of ({Sq}, {Sk}) is not [{kv_begin}, {kv_end})"
     return dense
@@ -164,18 +164,20 @@ def test_causal_shaped_masks_are_those_with_causal_tiles(text, shaped):
 
 
 def test_a_causal_shaped_expression_takes_causal_schedule_on_fwd_sm90():
-    """A band of causal's shape (`q_idx >= kv_idx`, masked as causal is) takes causal's whole config; any other
-    causal-shaped mask (prefix_lm(16): an `or`, a predicate per element) keeps the expression defaults' tile and
-    stages (register budget), with causal's schedule."""
+    """A band of causal's shape (`q_idx >= kv_idx`, prefix_lm(16): masked as causal is) takes causal's whole config;
+    any other causal-shaped mask (a `%` in an `or`: a predicate per element) keeps the expression defaults' tile
+    and stages (register budget), with causal's schedule."""
     target = targets.target("sm_90a")
     family = families.get_family("fwd_sm90")
     for head_dim, gqa in ((64, 1), (128, 1), (128, 4), (256, 1)):
         def config(mask):
             problem = AttentionSpec(head_dim=head_dim, gqa_ratio=gqa, mask=mask).problem
             return family.default_config(problem, target)
-        band, shaped, window, causal = (config(m) for m in ("q_idx >= kv_idx", "prefix_lm(16)",
-                                                            "sliding_window(100, 0)", "causal"))
-        assert band == causal
+        band, prefix, shaped, window, causal = (
+            config(m) for m in ("q_idx >= kv_idx", "prefix_lm(16)", "kv_idx <= q_idx or kv_idx < 16 and kv_idx % 2 == 0",
+                                "sliding_window(100, 0)", "causal"))
+        assert masks.causal_shaped(masks.canonical("kv_idx <= q_idx or kv_idx < 16 and kv_idx % 2 == 0"))
+        assert band == prefix == causal
         assert shaped.schedule == causal.schedule
         assert dataclasses.replace(shaped, schedule=window.schedule) == window
 

@@ -15,8 +15,17 @@ together
 (both bounds never decrease in q), exactly. So a mask a user writes out as a band (causal or a sliding window
 spelled as an expression) gets closed-form bounds and per-row interval masking like the built-ins
 (attngen/masks.py), with no block table, no scan and no predicate per element; `kv_idx + kv_offset <= q_idx +
-q_offset` too, its bounds reading the two scalars. Anything else (a product of indices, `//`, `%`, `or`, `!=`, b or
-h, an input read at an index) is not a band: None, and the mask keeps its table.
+q_offset` too, its bounds reading the two scalars.
+
+Two more shapes are bands, exactly:
+- an int input read at b alone (a length per sequence, `plen[b]`) is a constant of the batch row, as a scalar is of
+  the call: its bounds read it at the row's batch (never at h: a decode CTA holds several query heads);
+- an `or` of bands with the same lower bounds: [lo, hi1) | [lo, hi2) is [lo, max(hi1, hi2)), and a max of bounds
+  that never decrease never decreases (Widest). So `prefix_lm(plen[b])`, `kv_idx < plen[b] or causal`, is row q's
+  [0, max(plen[b], q + 1 + kv_len - q_len)).
+
+Anything else (a product of indices, `//`, `%`, an `or` whose sides start apart, `!=`, b or h as a value, an input
+read at a position or at h) is not a band: None, and the mask keeps its table.
 """
 
 from __future__ import annotations
@@ -35,12 +44,26 @@ _FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq"}
 _NEGATED = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
 _AFFINE_VARS = ("q_idx", "kv_idx", "q_len", "kv_len")
 _INPUT = "in:"  # the key of a scalar input's coefficient in an affine form
+AT_BATCH = "@b"  # an input name's suffix in a Bound: read at the batch row (`plen[b]`), not a scalar
+
+
+def _read_value(values: dict | None, key: str, b: int) -> int:
+    """An input's value in a bound: a scalar's, or (key name@b) the batch row b's element; 0 where not given."""
+    if not values or key.removesuffix(AT_BATCH) not in values:
+        return 0
+    value = values[key.removesuffix(AT_BATCH)]
+    return int(value[b] if key.endswith(AT_BATCH) else value)
+
+
+def _read_code(key: str, input_ref) -> str:
+    """The C++ that reads a bound's input: a scalar's, or its element at the bounds' `batch`."""
+    return input_ref(key.removesuffix(AT_BATCH), ["batch"] if key.endswith(AT_BATCH) else [])
 
 
 @dataclass(frozen=True)
 class Bound:
     """slope * q + q_len_coef * q_len + kv_len_coef * kv_len + sum(coef * input) + constant, for row q (slope 0
-    or 1); inputs: (name, coef) of scalar int inputs, sorted by name."""
+    or 1); inputs: (name, coef) of int inputs, sorted by name: scalars, and name@b for one read at the batch row."""
 
     slope: int
     q_len_coef: int
@@ -48,16 +71,17 @@ class Bound:
     constant: int
     inputs: tuple[tuple[str, int], ...] = ()
 
-    def at(self, q: int, q_len: int, kv_len: int, values: dict | None = None) -> int:
-        """The bound at row q; values: each input's value (a Python int or a 0-d tensor), 0 where not given."""
-        read = sum(c * int((values or {}).get(name, 0)) for name, c in self.inputs)
+    def at(self, q: int, q_len: int, kv_len: int, values: dict | None = None, b: int = 0) -> int:
+        """The bound at row q of batch row b; values: each input's value (a Python int or a tensor: 0-d for a
+        scalar, indexed by b for name@b), 0 where not given."""
+        read = sum(c * _read_value(values, name, b) for name, c in self.inputs)
         return self.slope * q + self.q_len_coef * q_len + self.kv_len_coef * kv_len + read + self.constant
 
     def cuda(self, row: str, input_ref) -> str:
-        """64-bit C++ over the row expression `row`, the ints Sq, Sk and the inputs as input_ref reads them."""
+        """64-bit C++ over the row expression `row`, the ints Sq, Sk, batch and the inputs as input_ref reads them."""
         terms = [(self.slope, f"(long long)({row})"), (self.q_len_coef, "(long long)Sq"),
                  (self.kv_len_coef, "(long long)Sk"),
-                 *((c, f"(long long){input_ref(name, [])}") for name, c in self.inputs)]
+                 *((c, f"(long long){_read_code(name, input_ref)}") for name, c in self.inputs)]
         code = ""
         for c, t in [*((c, t) for c, t in terms if c), (self.constant, "")]:
             if c == 0 and (code or t):
@@ -69,19 +93,66 @@ class Bound:
 
 
 @dataclass(frozen=True)
+class Widest:
+    """The largest of its options' upper bounds, each option the smallest of its bounds: the upper end of an `or`
+    of bands that start alike. Never decreasing in q, as each of them is."""
+
+    options: tuple[tuple[Bound | Widest, ...], ...]
+
+    @property
+    def inputs(self) -> tuple[tuple[str, int], ...]:
+        return tuple(i for option in self.options for bound in option for i in bound.inputs)
+
+    def at(self, q: int, q_len: int, kv_len: int, values: dict | None = None, b: int = 0) -> int:
+        return max(min(x.at(q, q_len, kv_len, values, b) for x in option) for option in self.options)
+
+    def cuda(self, row: str, input_ref) -> str:
+        return fold("maskc_max", [fold("maskc_min", [x.cuda(row, input_ref) for x in option])
+                                  for option in self.options])
+
+
+def fold(pick: str, exprs: list[str]) -> str:
+    """C++ pick(pick(e0, e1), e2)... over one or more expressions (one: itself)."""
+    code = exprs[0]
+    for e in exprs[1:]:
+        code = f"{pick}({code}, {e})"
+    return code
+
+
+@dataclass(frozen=True)
 class Band:
     """Row q sees the keys k with lower_i(q) <= k < upper_j(q) for every i, j (and 0 <= k < kv_len)."""
 
     lower: tuple[Bound, ...]
-    upper: tuple[Bound, ...]
+    upper: tuple[Bound | Widest, ...]
 
 
 def band(ir: Node) -> Band | None:
     """The band a mask's IR is, or None when it is not one (module docstring)."""
+    found = _band(ir)
+    return None if found is None or not found.lower and not found.upper else found
+
+
+def _band(ir: Node) -> Band | None:
+    """band() without its last check: a side of an `or` may bound nothing (every key from its lower bounds on)."""
+    if isinstance(ir, Op) and ir.op == "or":
+        sides = [_band(arg) for arg in ir.args]
+        if any(side is None for side in sides) or len({frozenset(side.lower) for side in sides}) != 1:
+            return None  # sides that start apart may leave a hole between them
+        if any(not side.upper for side in sides):
+            return Band(sides[0].lower, ())  # one side reaches the row's end
+        return Band(sides[0].lower, (Widest(tuple(side.upper for side in sides)),))
     terms = ir.args if isinstance(ir, Op) and ir.op == "and" else (ir,)
     lower: list[Bound] = []
-    upper: list[Bound] = []
+    upper: list[Bound | Widest] = []
     for term in terms:
+        if isinstance(term, Op) and term.op == "or":
+            inner = _band(term)
+            if inner is None:
+                return None
+            lower += inner.lower
+            upper += inner.upper
+            continue
         atoms = _atoms(term)
         if atoms is None:
             return None
@@ -91,8 +162,6 @@ def band(ir: Node) -> Band | None:
                 return None
             lower += sides[0]
             upper += sides[1]
-    if not lower and not upper:
-        return None
     return Band(tuple(dict.fromkeys(lower)), tuple(dict.fromkeys(upper)))
 
 
@@ -166,12 +235,18 @@ def _small(form: dict[str, int]) -> bool:
 
 def _affine(node: Node) -> dict[str, int] | None:
     """An int node as {variable, "in:<input>" or "1": coefficient}, or None when it is not affine in q_idx,
-    kv_idx, q_len, kv_len and scalar int inputs (b and h are left out: a band's shape may not change from one batch
-    or head to the next)."""
+    kv_idx, q_len, kv_len, scalar int inputs and int inputs read at b alone (`plen[b]`: "in:plen@b"). b and h as
+    values are left out (a band's shape may change from one batch row to the next only through an input read
+    there), and so is anything read at h: decode's CTAs hold several query heads."""
     if isinstance(node, Const) and node.type is Type.INT:
         return {"1": node.value}
     if isinstance(node, Input):
-        return {_INPUT + node.name: 1} if node.type is Type.INT and not node.index else None
+        if node.type is not Type.INT:
+            return None
+        if not node.index:
+            return {_INPUT + node.name: 1}
+        at_batch = len(node.index) == 1 and isinstance(node.index[0], Var) and node.index[0].name == "b"
+        return {_INPUT + node.name + AT_BATCH: 1} if at_batch else None
     if isinstance(node, Var):
         return {node.name: 1} if node.name in _AFFINE_VARS else None
     if not isinstance(node, Op) or node.type is not Type.INT:

@@ -34,7 +34,7 @@ from attngen.families.base import (
 )
 from attngen.families import varlen_tiles
 from attngen.faults import check_fault
-from attngen.masks import causal_shaped, get_mask, is_band, mask_problem, row_interval
+from attngen.masks import bounds_read_at_batch, causal_shaped, get_mask, is_band, mask_problem, row_interval
 from attngen.runtime_inputs import with_inputs
 from attngen.spec import HEAD_DIMS, Problem
 from attngen.targets import Target
@@ -182,13 +182,17 @@ class Sm80Forward(KernelFamily):
                 if combo[0] / combo[2] in ROWS_PER_WARP]
 
     def default_config(self, problem: Problem, target: Target, seqlen: int | None = None) -> Sm80Config:
-        # A mask with a closed form (a window, chunks, a band such as `q_idx >= kv_idx`) is masked as causal
-        # is: causal's tile, not the smaller one that keeps other expressions' per-element work from spilling.
-        # What spills there (tests/test_mask_bands.py): chunks, which divide per row, beside a packed sequence's
-        # tile (32-148 bytes) or dropout's keep masks (8-16), and beside the keep masks a window's second bound
-        # (40 at d64) or a band's scalar inputs (8): those keep the smaller tile.
+        # A mask with a closed form (a window, chunks, a band such as `q_idx >= kv_idx`, a prefix such as
+        # prefix_lm(plen[b])) is masked as causal is: causal's tile, not the smaller one that keeps other
+        # expressions' per-element work from spilling. What spills there (tests/test_mask_bands.py): chunks, which
+        # divide per row, beside a packed sequence's tile (32-148 bytes) or dropout's keep masks (8-16), a prefix's
+        # two ends beside a packed sequence's tile (24), and beside the keep masks a window's second bound (40 at
+        # d64) or a band's scalar inputs (8): those keep the smaller tile. So does a prefix read per batch row at
+        # d128 for sm_90a, where causal's tile already takes 255 registers (28 bytes spilled; 0 for sm_80).
         mask = problem.mask
         plain = row_interval(mask) and problem.score_mod is None and problem.sink is None
+        if problem.head_dim == 128 and target.cc >= 90:
+            plain = plain and not bounds_read_at_batch(mask)
         if problem.dropout_p:
             plain = plain and (mask in ("none", "causal") or is_band(mask) and causal_shaped(mask)
                                and not get_mask(mask).program.inputs)
