@@ -42,6 +42,8 @@ CASES = [  # (lengths_q, lengths_k, Hq, Hkv, D, dtype, mask, score_mod, sink)
     # a band written out (attngen/maskc/bands.py): q_len and kv_len are each sequence's
     ([300, 1, 130], [300, 50, 200], 4, 2, 128, "bf16",
      "kv_idx <= q_idx + kv_len - q_len and kv_idx > q_idx + kv_len - q_len - 64 and kv_idx >= 5", None, None),
+    # a prefix of each sequence's own first 40 keys (an `or` of bands: bands.Widest), rows of Sq != Sk
+    ([300, 1, 130, 20], [300, 50, 200, 20], 4, 2, 64, "bf16", "prefix_lm(40)", None, None),
 ]
 
 
