@@ -14,7 +14,8 @@ combination with and/or/not. Its lowering holds:
                    key block) each call, so empty blocks are never loaded and full ones never
                    masked per element (attngen/mask_table.py)
   closed           for `none`, `causal`, `sliding_window(l, r)`, `chunked(n)` and their conjunctions,
-                   and for bands written out as expressions (`q_idx >= kv_idx`, attngen/maskc/bands.py):
+                   and for bands written out as expressions (`q_idx >= kv_idx`, prefixes such as
+                   `prefix_lm(plen[b])`: attngen/maskc/bands.py):
                    the same bounds in closed form over the query rows [m0, m1) (no scan); tests hold
                    them to the generic scan and to the dense mask
   dense_visible    the same predicate for the reference, on broadcastable torch tensors
@@ -339,11 +340,12 @@ def bounds_read_at_batch(text: str) -> bool:
 def row_interval(text: str) -> bool:
     """Whether a mask has a closed form (the built-ins none, causal, sliding windows, chunks and their
     conjunctions, and bands, attngen/maskc/bands.py: `q_idx >= kv_idx`, a context-parallel shard's
-    `kv_idx + kv_offset <= q_idx + q_offset`). The kernels mask such rows as they mask the built-in
-    causal's, by the row's two bounds (ROW_INTERVAL), with no predicate and no input read per element, so
-    a family may give it the tile it gives none and causal: no more registers live, but for what a family
-    holds beside them (fwd_sm80 default_config: chunks beside dropout or a packed sequence; the cases are
-    compiled in tests/test_mask_bands.py). Masks that read inputs at an index are not."""
+    `kv_idx + kv_offset <= q_idx + q_offset`, a prefix per batch row `prefix_lm(plen[b])`). The kernels mask
+    such rows as they mask the built-in causal's, by the row's two bounds (ROW_INTERVAL), with no predicate
+    and no input read per element, so a family may give it the tile it gives none and causal: no more
+    registers live, but for what a family holds beside them (fwd_sm80 default_config names the cases that
+    spilled; they are compiled in tests/test_mask_bands.py). Masks that read inputs at a position or at h
+    are not."""
     return get_mask(text).closed is not None
 
 
