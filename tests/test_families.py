@@ -146,7 +146,12 @@ def test_sm90_schedules_labels_and_defaults():
     one_sm = dataclasses.replace(H100, sms=1)
     assert family.default_config(AttentionSpec(head_dim=128, mask="none").problem, one_sm).label() == "m128n160s2opr"
     assert default(head_dim=64, mask="causal") == "m192n128s2opd"
-    assert default(head_dim=64, mask="sliding_window(127, 0)") == "m128n128s2opd"
+    # a window (a closed form) takes causal's config where it is on the counter, as at d64; an expression without
+    # one, or with a sink, the expressions' tile
+    assert default(head_dim=64, mask="sliding_window(127, 0)") == "m192n128s2opd"
+    assert default(head_dim=64, mask="sliding_window(127, 0)", sink="sinks[h]") == "m128n128s2opd"
+    assert default(head_dim=64, mask="kv_idx % 3 != 1") == "m128n128s2opd"
+    assert default(head_dim=256, mask="sliding_window(127, 0)") == "m128n80s2o"
     # A pinned block size keeps the default's cluster where its accumulators fit the cluster's registers;
     # 192 keys at d128 would spill there, so that pin runs the plain pairs schedule, unless clusters are pinned.
     none128 = AttentionSpec(head_dim=128, mask="none").problem

@@ -373,6 +373,16 @@ class Sm90Forward(KernelFamily):
             if row_interval(problem.mask):
                 return causal
             config = dataclasses.replace(config, schedule=causal.schedule)
+        elif kind == "expressions" and problem.score_mod is None and problem.sink is None \
+                and row_interval(problem.mask):
+            # Any other closed form (a window, a prefix per batch row) is masked as causal is too, and its tiles'
+            # lengths follow no pattern pairs balance: causal's config where that runs on the counter already
+            # (d64's three consumer warpgroups, m192: 1.22x the expressions' tile for prefix_lm(plen[b]) and 1.17x
+            # for a 4096 window on the H100, docs/perf-notes.md "Prefixes get closed forms"), else the expressions'
+            # tile as it is.
+            causal = self.default_config(dataclasses.replace(problem, mask="causal"), target, seqlen)
+            if causal.schedule == "dynamic":
+                return causal
         return config
 
     def resolve_config(self, problem: Problem, target: Target, pinned: Mapping[str, Any],
