@@ -364,24 +364,24 @@ class Sm90Forward(KernelFamily):
         config = next((c for c in choices if smem_bytes(c, problem.head_dim) <= target.smem_per_block
                        and not (problem.dropout_p and c.consumers > DROPOUT_CONSUMERS)
                        and not (c.cluster and cluster_reason(c, problem, target))), choices[-1])
-        if kind == "expressions" and problem.score_mod is None and problem.sink is None \
-                and causal_shaped(problem.mask):
-            # Tiles of causal's lengths: causal's schedule, which beats the counter there (docs/perf-notes.md,
-            # "Per-tile cost"). One with a closed form (`q_idx >= kv_idx`) is also masked as causal is: causal's
-            # whole config; any other keeps the expression's tile and stages, which hold its per-element work.
+        if kind != "expressions" or problem.score_mod is not None or problem.sink is not None:
+            return config
+        shaped, closed = causal_shaped(problem.mask), row_interval(problem.mask)
+        if shaped or closed:
             causal = self.default_config(dataclasses.replace(problem, mask="causal"), target, seqlen)
-            if row_interval(problem.mask):
+            if shaped and closed:
+                # A closed form of causal's shape (`q_idx >= kv_idx`) is masked as causal is: causal's whole config.
                 return causal
-            config = dataclasses.replace(config, schedule=causal.schedule)
-        elif kind == "expressions" and problem.score_mod is None and problem.sink is None \
-                and row_interval(problem.mask):
-            # Any other closed form (a window, a prefix per batch row) is masked as causal is too, and its tiles'
-            # lengths follow no pattern pairs balance: causal's config where that runs on the counter already
-            # (d64's three consumer warpgroups, m192: 1.22x the expressions' tile for prefix_lm(plen[b]) and 1.17x
-            # for a 4096 window on the H100, docs/perf-notes.md "Prefixes get closed forms"), else the expressions'
-            # tile as it is.
-            causal = self.default_config(dataclasses.replace(problem, mask="causal"), target, seqlen)
+            if shaped:
+                # Tiles of causal's lengths: causal's schedule, which beats the counter there (docs/perf-notes.md,
+                # "Per-tile cost"); the expression's tile and stages, which hold its per-element work.
+                return dataclasses.replace(config, schedule=causal.schedule)
             if causal.schedule == "dynamic":
+                # Any other closed form (a window, a prefix per batch row) is masked as causal is too, and its
+                # tiles' lengths follow no pattern pairs balance: causal's config where that runs on the counter
+                # already (d64's three consumer warpgroups, m192: 1.22x the expressions' tile for
+                # prefix_lm(plen[b]) and 1.17x for a 4096 window on the H100, docs/perf-notes.md "Prefixes get
+                # closed forms"), else the expressions' tile as it is.
                 return causal
         return config
 
