@@ -7,7 +7,7 @@ choices; "q2": at most two Q buffers).
     PYTHONPATH=. python bench/sm90_ab_probe.py --base git:HEAD [--rounds 2] [CASE ...]
     PYTHONPATH=. python bench/sm90_ab_probe.py --base git:HEAD --variant b=.ab/b/ [CASE ...]   (three builds)
     PYTHONPATH=. python bench/sm90_ab_probe.py --ordinary [--rounds 2] [CASE ...]   (early launch behind set-up, or not)
-    PYTHONPATH=. python bench/sm90_ab_probe.py --configs [--rounds 2] [CASE ...]
+    PYTHONPATH=. python bench/sm90_ab_probe.py --configs [--labels L1,L2] [--rounds 2] [CASE ...]
 
 On the device (no git history there): `python bench/sm90_versions.py git:HEAD > .ab/base.cuh` here, then
 --base .ab/base.cuh. One line per case: milliseconds and TFLOP/s (visible pairs only for masks) per round
@@ -152,7 +152,7 @@ def cudnn_ms(mask, heads, kv_heads, sets):
     return time_ms(cudnn_call(mask, heads, kv_heads), sets)
 
 
-def compare_configs(names, rounds):
+def compare_configs(names, rounds, only=None):
     for name in names:
         if name == "documents":  # attention_varlen takes no spec: its default config is swapped in
             run_with, sets, flops, _ = documents_case()
@@ -163,6 +163,7 @@ def compare_configs(names, rounds):
             ref = cudnn_ms(mask, heads, kv_heads, sets)
             line = [f"{name:16s}", f"cuDNN {ref:.3f}ms {flops / ref / 1e9:4.0f}"]
         labels = DOCUMENT_CONFIGS if name == "documents" else labels
+        labels = [label for label in labels if only is None or label in only]
         for r in range(rounds):
             for label in labels if r % 2 == 0 else labels[::-1]:
                 sm90.Q_BUFFERS_MAX = 2 if label.endswith("/q2") else 3
@@ -234,12 +235,14 @@ def main() -> None:
                              "EARLY_AFTER_SETUP) against the ordinary launch")
     parser.add_argument("--configs", action="store_true",
                         help="compare the working tree's configs (CONFIGS; documents: DOCUMENT_CONFIGS)")
+    parser.add_argument("--labels", type=lambda text: text.split(","), metavar="LABEL,...",
+                        help="with --configs: only these of each case's configs")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("cases", nargs="*")
     args = parser.parse_args()
     if args.configs:
         with torch.no_grad():
-            return compare_configs(args.cases or list(CONFIGS), args.rounds)
+            return compare_configs(args.cases or list(CONFIGS), args.rounds, args.labels)
     if args.base is None and not args.ordinary:
         parser.error("--base VERSION, --ordinary or --configs")
     # Builds, rounds alternating: (name, version or None for the tree's, early launch behind set-up).
