@@ -5,8 +5,8 @@
 #   bash bench/results/dev/offline-builds-run-2026-12-07.sh tests   (GPU tests, racecheck)
 #   bash bench/results/dev/offline-builds-run-2026-12-07.sh timing  (the three A/Bs)
 # Each part copies the committed tree to .ab/base, makes .ab/partial-last (the committed fwd_sm90 headers with
-# the partial-blocks-last patch), then applies the builders' patch and the K-ahead patch to the tree (generated/
-# left out of the second: the device checks kernels, not generated/). Logs under $OUT.
+# the partial-blocks-last patch), then applies the builders' patch and the K-ahead patch to the tree (the
+# second holds no generated/: the device checks kernels; regenerate before landing). Logs under $OUT.
 set -u
 part=${1:?tests or timing}
 OUT=${OUT:-/tmp/attngen-out}; mkdir -p "$OUT"
@@ -15,11 +15,11 @@ DEV=bench/results/dev
 rm -rf .ab/base .ab/partial-last && mkdir -p .ab/base && cp -r attngen .ab/base/
 cp -r attngen/families/fwd_sm90 .ab/partial-last
 patch -s -d .ab/partial-last -p4 < $DEV/fwd-sm90-partial-blocks-last-untested-2026-12-07.patch || exit 1
-git apply $DEV/varlen-builders-of-fixed-widths-untested-2026-12-07.patch || exit 1
-git apply --exclude='generated/*' $DEV/fwd-sm90-k-a-block-ahead-of-v-untested-2026-12-07.patch || exit 1
+patch -s -p1 < $DEV/varlen-builders-of-fixed-widths-untested-2026-12-07.patch || exit 1
+patch -s -p1 < $DEV/fwd-sm90-k-a-block-ahead-of-v-untested-2026-12-07.patch || exit 1  # (without generated/: regenerate to land)
 nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader
 if [ "$part" = tests ]; then
-  echo "== GPU tests: the varlen files, the deeper K ring, the dynamic and pairs forward tests"
+  echo "== GPU tests: the varlen files (both builders; documents on the deeper K ring), the deeper K ring forward"
   PYTHONPATH=. timeout 330 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gpu_varlen_tiles.py \
       tests/test_gpu_varlen.py "tests/test_gpu_forward.py::test_a_k_ring_a_stage_deeper_than_v_ring" \
       > $OUT/gpu-tests.log 2>&1; echo rc=$?; tail -3 $OUT/gpu-tests.log
