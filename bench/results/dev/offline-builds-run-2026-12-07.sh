@@ -15,8 +15,8 @@ DEV=bench/results/dev
 rm -rf .ab/base .ab/partial-last && mkdir -p .ab/base && cp -r attngen .ab/base/
 cp -r attngen/families/fwd_sm90 .ab/partial-last
 patch -s -d .ab/partial-last -p4 < $DEV/fwd-sm90-partial-blocks-last-untested-2026-12-07.patch || exit 1
-patch -s -p1 < $DEV/varlen-builders-of-fixed-widths-untested-2026-12-07.patch || exit 1
-patch -s -p1 < $DEV/fwd-sm90-k-a-block-ahead-of-v-untested-2026-12-07.patch || exit 1  # (without generated/: regenerate to land)
+patch -s --no-backup-if-mismatch -p1 < $DEV/varlen-builders-of-fixed-widths-untested-2026-12-07.patch || exit 1
+patch -s --no-backup-if-mismatch -p1 < $DEV/fwd-sm90-k-a-block-ahead-of-v-untested-2026-12-07.patch || exit 1  # (without generated/: regenerate to land)
 nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader
 if [ "$part" = tests ]; then
   echo "== GPU tests: the varlen files (both builders; documents on the deeper K ring), the deeper K ring forward"
