@@ -87,7 +87,7 @@ DENSE = {
 
 # Configs for the packed documents (varlen: the dynamic schedule only).
 DOCUMENT_CONFIGS = ["m128n128s2opd", "m128n64s2opd", "m128n128s3opd", "m192n128s2opd", "m128n128s2od",
-                    "m128n128s2opd/q2"]
+                    "m128n128s2opd/q2", "m128n96s3opd"]  # n96s3: three stages of K and of V beside two Q buffers
 
 # name -> (head_dim, mask, batch, seqlen, heads, kv_heads, [config label, optionally + "/q2"])
 CONFIGS = {
