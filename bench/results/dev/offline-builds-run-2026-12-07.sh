@@ -39,9 +39,10 @@ for round in 1 2; do
     done
   done
 done 2>&1 | tee $OUT/builders-ab.txt
-echo "== K a block ahead of V (configs of the tree)"
+echo "== K a block ahead of V, and three stages of each at 96 keys (configs of the tree)"
 PYTHONPATH=.:bench timeout 200 python3 bench/sm90_ab_probe.py --configs --rounds 3 \
-    --labels m128n128s2opd,m128n128s2kopd,m128n128s2opr,m128n128s2kopr documents d128-causal-2k d128-causal-16k \
+    --labels m128n128s2opd,m128n128s2kopd,m128n96s3opd,m128n128s2opr,m128n128s2kopr documents d128-causal-2k \
+    d128-causal-16k \
     2>&1 | tee $OUT/k-ahead-ab.txt | tail -6
 echo "== partial blocks last (base: the committed headers)"
 PYTHONPATH=.:bench timeout 200 python3 bench/sm90_ab_probe.py --base .ab/base/attngen/families/fwd_sm90 \
