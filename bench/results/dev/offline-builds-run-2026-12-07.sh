@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Device calls for three offline builds of 2026-12-07 (docs/perf-notes.md "Two builders, each of a fixed
-# width", "A tile's partial blocks last", "K a block ahead of V"), from a clean tree at the commit that
+# Device calls for the offline builds of 2026-12-07 (docs/perf-notes.md "Two builders, each of a fixed
+# width", "A tile's partial blocks last", "K a block ahead of V" with its two-stage variant), from a clean tree at the commit that
 # added this script; each part fits one call (<= 10 minutes; kernels compile on first use):
 #   bash bench/results/dev/offline-builds-run-2026-12-07.sh tests   (GPU tests, racecheck)
 #   bash bench/results/dev/offline-builds-run-2026-12-07.sh timing  (the three A/Bs)
@@ -17,6 +17,8 @@ cp -r attngen/families/fwd_sm90 .ab/partial-last
 patch -s -d .ab/partial-last -p4 < $DEV/fwd-sm90-partial-blocks-last-untested-2026-12-07.patch || exit 1
 patch -s --no-backup-if-mismatch -p1 < $DEV/varlen-builders-of-fixed-widths-untested-2026-12-07.patch || exit 1
 patch -s --no-backup-if-mismatch -p1 < $DEV/fwd-sm90-k-a-block-ahead-of-v-untested-2026-12-07.patch || exit 1  # (without generated/: regenerate to land)
+rm -rf .ab/k-order && cp -r attngen/families/fwd_sm90 .ab/k-order  # the K-ahead order on two K stages (a variant)
+patch -s -d .ab/k-order -p4 < $DEV/fwd-sm90-k-ahead-order-on-two-stages-variant-2026-12-07.patch || exit 1
 nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader
 if [ "$part" = tests ]; then
   echo "== GPU tests: the varlen files (both builders; documents on the deeper K ring), the deeper K ring forward"
@@ -44,7 +46,7 @@ PYTHONPATH=.:bench timeout 200 python3 bench/sm90_ab_probe.py --configs --rounds
     --labels m128n128s2opd,m128n128s2kopd,m128n96s3opd,m128n128s2opr,m128n128s2kopr documents d128-causal-2k \
     d128-causal-16k \
     2>&1 | tee $OUT/k-ahead-ab.txt | tail -6
-echo "== partial blocks last (base: the committed headers)"
-PYTHONPATH=.:bench timeout 200 python3 bench/sm90_ab_probe.py --base .ab/base/attngen/families/fwd_sm90 \
-    --variant partial-last=.ab/partial-last --rounds 3 documents d128-causal-2k window4096-16k \
-    2>&1 | tee $OUT/partial-blocks-last-ab.txt | tail -6
+echo "== partial blocks last; the K-ahead order on two K stages (base: the committed headers; new: the tree's, a control)"
+PYTHONPATH=.:bench timeout 260 python3 bench/sm90_ab_probe.py --base .ab/base/attngen/families/fwd_sm90 \
+    --variant partial-last=.ab/partial-last --variant k-order=.ab/k-order --rounds 3 documents d128-causal-2k \
+    window4096-16k 2>&1 | tee $OUT/partial-last-and-k-order-ab.txt | tail -6
