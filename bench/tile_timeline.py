@@ -2,25 +2,31 @@
 the GPU: every fwd_sm90 kernel of this process is built with ATTNGEN_TRACE, which stamps the SM clock
 at each tile's phases (trace.cuh `trace`), and each case's last call is read back.
 
-  PYTHONPATH=. python bench/tile_timeline.py [CASE ...]
+  PYTHONPATH=.:bench python bench/tile_timeline.py [--config LABEL] [--headers VERSION] [CASE ...]
+
+--config: every case on that fwd_sm90 config (its default swapped, as sm90_ab_probe.py --configs does);
+--headers: the kernel built from another version of its headers (bench/sm90_versions.py).
 
 Per case and consumer warpgroup, clocks summed over the traced tiles: waiting for the tile's number
 (the schedule), reading its place and bounds, waiting for its Q, the first block (S, softmax: the
 overlap's prologue), the other blocks, the epilogue (last P V waited for, normalise, store), and the
-gap to the next tile; then per block of the steady loop, and the fixed cost of a tile in blocks.
+gap to the next tile; then per block of the steady loop, and the fixed cost of a tile in blocks. The
+producer's side of a tile boundary: from its first K's stage freeing to that K's issue, and from the previous
+round's last V to it.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 
 import numpy as np
 
 EVENTS = ["TILE_WAIT", "TILE_READY", "Q_READY", "FIRST_SOFTMAX", "LAST_PV", "STORED", "KEY_BLOCKS", "SM", "K0_READY",
-          "TURN0", "S0_READY", "Q_ISSUED", "K0_ISSUED", "V0_ISSUED", "S0_MASKED", "SOFTMAX0_DONE", "PREVIOUS_PV"]
+          "TURN0", "S0_READY", "Q_ISSUED", "K0_ISSUED", "V0_ISSUED", "S0_MASKED", "SOFTMAX0_DONE", "PREVIOUS_PV",
+          "K0_STAGE_FREE", "LAST_V_ISSUED"]
 E = {name: i for i, name in enumerate(EVENTS)}
-SHAPE = (1024, 3, 32, 18)  # trace.cuh attngen_trace: [cta][warpgroup 0, 1, producer][tile][event]
+SHAPE = (1024, 3, 32, 19)  # trace.cuh attngen_trace: [cta][warpgroup 0, 1, producer][tile][event]
 
 
 def cases(torch, attngen):
@@ -125,6 +131,7 @@ def summarise(name: str, trace: np.ndarray, ms: float) -> None:
                      + f", gap {gap.mean() if len(gap) else 0:.0f}; fixed {fixed:.0f} clk = {fixed / steady:.2f} blocks"
                      + f"; K0 issued {k0_early.mean():.0f} clk before Q ready, ready {k0_load.mean():.0f} after issue")
         lines.extend(first_softmax_split(wg, t, done))
+    lines.extend(producer_boundary(trace))
     lines.extend(lone_tiles(trace))
     lines.extend(late_ctas(trace))
     print("\n".join(lines), flush=True)
@@ -143,6 +150,21 @@ def first_softmax_split(wg: int, t: np.ndarray, done: np.ndarray) -> list[str]:
     }
     return [f"  wg{wg} softmax0 of {int(carried.sum())} carrying tiles (clk): "
             + ", ".join(f"{k} {float(v[carried].mean()):.0f}" for k, v in parts.items())]
+
+
+def producer_boundary(trace: np.ndarray) -> list[str]:
+    """The producer between a tile's loads and the next's, per round after the first (means, clk): its first K's
+    stage free to that K's issue, and the previous round's last V issued to both. A stage free long before its
+    K goes out says the producer's own work holds the load, not the ring."""
+    pr = trace[:, 2]
+    seen = (pr[:, 1:, E["K0_ISSUED"]] > 0) & (pr[:, 1:, E["K0_STAGE_FREE"]] > 0) & (pr[:, :-1, E["LAST_V_ISSUED"]] > 0)
+    if not seen.any():
+        return []
+    k0, free = (pr[:, 1:, E[name]][seen] for name in ("K0_ISSUED", "K0_STAGE_FREE"))
+    last_v = pr[:, :-1, E["LAST_V_ISSUED"]][seen]
+    return [f"  producer, {int(seen.sum())} rounds: K0's stage free -> K0 issued {float((k0 - free).mean()):.0f}; "
+            f"previous last V issued -> K0's stage free {float((free - last_v).mean()):.0f}, -> K0 issued "
+            f"{float((k0 - last_v).mean()):.0f}"]
 
 
 def late_ctas(trace: np.ndarray, count: int = 3) -> list[str]:
@@ -191,16 +213,31 @@ def lone_tiles(trace: np.ndarray) -> list[str]:
     return out
 
 
-def main(names: list[str]) -> None:
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", metavar="LABEL", help="a fwd_sm90 config label for every case, e.g. m128n128s2opd")
+    parser.add_argument("--headers", metavar="VERSION", help="the kernel's headers from a version (sm90_versions.py)")
+    parser.add_argument("cases", nargs="*")
+    args = parser.parse_args()
     import cupy
     import torch
 
     import attngen
     from attngen import families
     from attngen.bench import time_ms
+    from attngen.families.fwd_sm90 import family as sm90
     from attngen.runtime import dispatch
 
-    traced_render(families.get_family("fwd_sm90"))
+    family = families.get_family("fwd_sm90")
+    if args.headers:
+        import sm90_versions as versions
+
+        versions.use(versions.load(args.headers))
+    if args.config:
+        config = sm90.Sm90Config.from_label(args.config)
+        family.default_config = lambda problem, target, seqlen=None: config
+    traced_render(family)
+    names = args.cases
     torch.manual_seed(0)
     table = cases(torch, attngen)
     with torch.no_grad():
@@ -220,4 +257,4 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

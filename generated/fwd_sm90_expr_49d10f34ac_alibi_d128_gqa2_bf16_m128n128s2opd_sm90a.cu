@@ -1066,7 +1066,7 @@ namespace fa90 {
 // A development timeline (bench/tile_timeline.py defines ATTNGEN_TRACE): per CTA, consumer warpgroup
 // and tile, the SM clock at TRACE_EVENTS points of the tile, its key-block count and the SM.
 #ifdef ATTNGEN_TRACE
-constexpr int TRACE_CTAS = 1024, TRACE_TILES = 32, TRACE_EVENTS = 18;
+constexpr int TRACE_CTAS = 1024, TRACE_TILES = 32, TRACE_EVENTS = 19;
 __device__ long long attngen_trace[TRACE_CTAS][3][TRACE_TILES][TRACE_EVENTS];  // warpgroups 0, 1; 2: the producer
 // The clock once every score is computed (the stamp waits for them).
 template <int N>
@@ -1096,8 +1096,11 @@ __device__ __forceinline__ int smid() { return 0; }
 template <int N>
 __device__ __forceinline__ long long fence_clock(const float (&)[N]) { return 0; }
 #endif
+// The producer's (slot 2): Q, the first K and V issued, the first K's stage free, the last V issued (a stamp at
+// the round's start too spilled the traced producer's 24 registers: 24 bytes against 8).
 enum TraceEvent { TILE_WAIT, TILE_READY, Q_READY, FIRST_SOFTMAX, LAST_PV, STORED, KEY_BLOCKS, SM, K0_READY, TURN0,
-                  S0_READY, Q_ISSUED, K0_ISSUED, V0_ISSUED, S0_MASKED, SOFTMAX0_DONE, PREVIOUS_PV };
+                  S0_READY, Q_ISSUED, K0_ISSUED, V0_ISSUED, S0_MASKED, SOFTMAX0_DONE, PREVIOUS_PV, K0_STAGE_FREE,
+                  LAST_V_ISSUED };
 constexpr int TRACE_PRODUCER = 2;
 
 }  // namespace fa90
@@ -1293,6 +1296,7 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
             const int n0 = b.key0(it);
             // Wait until every consumer has released this stage's previous block.
             mbar_wait(smem_u32(&pipe.k_empty[stage]), phase ^ 1);
+            if (leader && it == 0) trace(TRACE_PRODUCER, j, K0_STAGE_FREE);
             if (LATE_CLAIM && it == claim_at) claim_next();
             if (leader) {
                 const u32 k_full = smem_u32(&pipe.k_full[stage]);
@@ -1306,6 +1310,7 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
                 mbar_expect_tx(v_full, KV_BYTES);
                 load_kv(sV + stage * KV_BYTES, &p.tmap_v, v_full, first_key(tile) + n0, kv_head, tile.batch);
                 if (it == 0) trace(TRACE_PRODUCER, j, V0_ISSUED);
+                if (it == b.count() - 1) trace(TRACE_PRODUCER, j, LAST_V_ISSUED);
             }
             if (!LATE_CLAIM && it == claim_at) resolve_next();
             try_next_q();

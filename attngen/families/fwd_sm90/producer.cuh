@@ -189,6 +189,7 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
             const int n0 = b.key0(it);
             // Wait until every consumer has released this stage's previous block.
             mbar_wait(smem_u32(&pipe.k_empty[stage]), phase ^ 1);
+            if (leader && it == 0) trace(TRACE_PRODUCER, j, K0_STAGE_FREE);
             if (LATE_CLAIM && it == claim_at) claim_next();
             if (leader) {
                 const u32 k_full = smem_u32(&pipe.k_full[stage]);
@@ -202,6 +203,7 @@ __device__ __forceinline__ void produce(const Params& p, Pipeline& pipe, u32 sQ,
                 mbar_expect_tx(v_full, KV_BYTES);
                 load_kv(sV + stage * KV_BYTES, &p.tmap_v, v_full, first_key(tile) + n0, kv_head, tile.batch);
                 if (it == 0) trace(TRACE_PRODUCER, j, V0_ISSUED);
+                if (it == b.count() - 1) trace(TRACE_PRODUCER, j, LAST_V_ISSUED);
             }
             if (!LATE_CLAIM && it == claim_at) resolve_next();
             try_next_q();
