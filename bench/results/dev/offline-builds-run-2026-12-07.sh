@@ -4,11 +4,12 @@
 # added this script; each part fits one call (<= 10 minutes; kernels compile on first use):
 #   bash bench/results/dev/offline-builds-run-2026-12-07.sh tests   (GPU tests, racecheck)
 #   bash bench/results/dev/offline-builds-run-2026-12-07.sh timing  (the three A/Bs)
+#   bash bench/results/dev/offline-builds-run-2026-12-07.sh timeline  (the tile timeline, default and both K-ahead forms)
 # Each part copies the committed tree to .ab/base, makes .ab/partial-last (the committed fwd_sm90 headers with
-# the partial-blocks-last patch), then applies the builders' patch and the K-ahead patch to the tree (the
-# second holds no generated/: the device checks kernels; regenerate before landing). Logs under $OUT.
+# the partial-blocks-last patch), then applies the builders' patch and the K-ahead patch to the tree (neither
+# holds generated/: the device checks kernels; regenerate before landing). Logs under $OUT.
 set -u
-part=${1:?tests or timing}
+part=${1:?tests, timing or timeline}
 OUT=${OUT:-/tmp/attngen-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ATTNGEN_CACHE_DIR=/tmp/attngen-cache
 DEV=bench/results/dev
@@ -29,6 +30,14 @@ if [ "$part" = tests ]; then
   PYTHONPATH=. timeout 150 compute-sanitizer --tool racecheck --report-api-errors no --kernel-name kns=_tiles \
       python3 bench/varlen_builder_sanitize.py > $OUT/racecheck-builders.log 2>&1; echo rc=$?
   tail -4 $OUT/racecheck-builders.log
+  exit 0
+fi
+if [ "$part" = timeline ]; then
+  echo "== tile timeline: the default, K a block ahead on three K stages, the K-ahead order on two"
+  for how in "" "--config m128n128s2kopd" "--headers .ab/k-order"; do
+    echo "-- ${how:-default}"
+    PYTHONPATH=.:bench timeout 150 python3 bench/tile_timeline.py $how documents 2>&1 | grep -v "late CTA"
+  done 2>&1 | tee $OUT/tile-timeline-k-ahead.txt
   exit 0
 fi
 echo "== builders against the committed one (each tree in its own process, two rounds)"
