@@ -259,26 +259,14 @@ class DecodeCall:
     inputs: tuple = ()  # ((name, TensorInfo), ...) sorted: the runtime inputs the expressions read
 
     input = ForwardCall.input
-
-    @property
-    def batch(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def seq_q(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def heads_q(self) -> int:
-        return self.q.shape[2]
+    batch = ForwardCall.batch
+    seq_q = ForwardCall.seq_q
+    heads_q = ForwardCall.heads_q
+    heads_kv = ForwardCall.heads_kv
 
     @property
     def head_dim(self) -> int:
         return self.q.shape[3]
-
-    @property
-    def heads_kv(self) -> int:
-        return self.k.shape[2]
 
     @property
     def page_size(self) -> int:
