@@ -3,13 +3,14 @@
 # width", "A tile's partial blocks last", "K a block ahead of V" with its two-stage variant), from a clean tree at the commit that
 # added this script; each part fits one call (<= 10 minutes; kernels compile on first use):
 #   bash bench/results/dev/offline-builds-run-2026-12-07.sh tests   (GPU tests, racecheck)
-#   bash bench/results/dev/offline-builds-run-2026-12-07.sh timing  (the three A/Bs)
+#   bash bench/results/dev/offline-builds-run-2026-12-07.sh timing  (the builders; K ahead as configs)
+#   bash bench/results/dev/offline-builds-run-2026-12-07.sh variants  (partial blocks last; the K-ahead order)
 #   bash bench/results/dev/offline-builds-run-2026-12-07.sh timeline  (the tile timeline, default and both K-ahead forms)
 # Each part copies the committed tree to .ab/base, makes .ab/partial-last (the committed fwd_sm90 headers with
 # the partial-blocks-last patch), then applies the builders' patch and the K-ahead patch to the tree (neither
 # holds generated/: the device checks kernels; regenerate before landing). Logs under $OUT.
 set -u
-part=${1:?tests, timing or timeline}
+part=${1:?tests, timing, variants or timeline}
 OUT=${OUT:-/tmp/attngen-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ATTNGEN_CACHE_DIR=/tmp/attngen-cache
 DEV=bench/results/dev
@@ -40,6 +41,14 @@ if [ "$part" = timeline ]; then
   done 2>&1 | tee $OUT/tile-timeline-k-ahead.txt
   exit 0
 fi
+if [ "$part" = variants ]; then
+  echo "== partial blocks last; the K-ahead order on two K stages (base: the committed headers; new: the tree's, a control)"
+  PYTHONPATH=.:bench timeout 540 python3 bench/sm90_ab_probe.py --base .ab/base/attngen/families/fwd_sm90 \
+      --variant partial-last=.ab/partial-last --variant k-order=.ab/k-order --rounds 3 documents d128-causal-2k \
+      window4096-16k d128-causal-16k 2>&1 | tee $OUT/partial-last-and-k-order-ab.txt | tail -6
+  exit 0
+fi
+[ "$part" = timing ] || { echo "part $part: allowed tests, timing, variants, timeline" >&2; exit 2; }
 echo "== builders against the committed one (each tree in its own process, two rounds)"
 for round in 1 2; do
   for tree in committed new; do
@@ -55,7 +64,3 @@ PYTHONPATH=.:bench timeout 200 python3 bench/sm90_ab_probe.py --configs --rounds
     --labels m128n128s2opd,m128n128s2kopd,m128n96s3opd,m128n128s2opr,m128n128s2kopr documents d128-causal-2k \
     d128-causal-16k \
     2>&1 | tee $OUT/k-ahead-ab.txt | tail -6
-echo "== partial blocks last; the K-ahead order on two K stages (base: the committed headers; new: the tree's, a control)"
-PYTHONPATH=.:bench timeout 260 python3 bench/sm90_ab_probe.py --base .ab/base/attngen/families/fwd_sm90 \
-    --variant partial-last=.ab/partial-last --variant k-order=.ab/k-order --rounds 3 documents d128-causal-2k \
-    window4096-16k 2>&1 | tee $OUT/partial-last-and-k-order-ab.txt | tail -6
