@@ -241,8 +241,15 @@ def main() -> None:
     parser.add_argument("cases", nargs="*")
     args = parser.parse_args()
     if args.configs:
+        names = args.cases or list(CONFIGS)
+        unknown = [n for n in names if n != "documents" and n not in CONFIGS]
+        if unknown:
+            parser.error(f"--configs cases {unknown} are not in CONFIGS; allowed: documents, {', '.join(CONFIGS)}")
+        offered = {label for n in names for label in (DOCUMENT_CONFIGS if n == "documents" else CONFIGS[n][6])}
+        if args.labels and (missing := [label for label in args.labels if label not in offered]):
+            parser.error(f"--labels {missing} are none of these cases' configs; allowed: {', '.join(sorted(offered))}")
         with torch.no_grad():
-            return compare_configs(args.cases or list(CONFIGS), args.rounds, args.labels)
+            return compare_configs(names, args.rounds, args.labels)
     if args.base is None and not args.ordinary:
         parser.error("--base VERSION, --ordinary or --configs")
     # Builds, rounds alternating: (name, version or None for the tree's, early launch behind set-up).

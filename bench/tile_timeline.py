@@ -213,19 +213,35 @@ def lone_tiles(trace: np.ndarray) -> list[str]:
     return out
 
 
+def config_label(label: str):
+    """--config's value as an Sm90Config; argparse reports a label that is none."""
+    from attngen.families.fwd_sm90 import family as sm90
+
+    try:
+        return sm90.Sm90Config.from_label(label)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+CASE_NAMES = ("documents", "document-ids", "window4096-16k", "d128-causal-16k", "d128-causal-2k", "d128-none-2k",
+              "d64-causal-2k")  # cases()'s keys
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--config", metavar="LABEL", help="a fwd_sm90 config label for every case, e.g. m128n128s2opd")
+    parser.add_argument("--config", metavar="LABEL", type=config_label,
+                        help="a fwd_sm90 config label for every case, e.g. m128n128s2opd")
     parser.add_argument("--headers", metavar="VERSION", help="the kernel's headers from a version (sm90_versions.py)")
-    parser.add_argument("cases", nargs="*")
+    parser.add_argument("cases", nargs="*", metavar="CASE", help=f"any of {', '.join(CASE_NAMES)} (default: all)")
     args = parser.parse_args()
+    if unknown := [name for name in args.cases if name not in CASE_NAMES]:
+        parser.error(f"cases {unknown} are not cases of this timeline; allowed: {', '.join(CASE_NAMES)}")
     import cupy
     import torch
 
     import attngen
     from attngen import families
     from attngen.bench import time_ms
-    from attngen.families.fwd_sm90 import family as sm90
     from attngen.runtime import dispatch
 
     family = families.get_family("fwd_sm90")
@@ -234,12 +250,12 @@ def main() -> None:
 
         versions.use(versions.load(args.headers))
     if args.config:
-        config = sm90.Sm90Config.from_label(args.config)
-        family.default_config = lambda problem, target, seqlen=None: config
+        family.default_config = lambda problem, target, seqlen=None: args.config
     traced_render(family)
     names = args.cases
     torch.manual_seed(0)
     table = cases(torch, attngen)
+    assert tuple(table) == CASE_NAMES, "CASE_NAMES lists cases()'s keys"
     with torch.no_grad():
         for name in names or list(table):
             fn = table[name]()
