@@ -133,11 +133,15 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
         requires grad but is read by the mask or score modifier, a dropout_p the kernels cannot
         realise, a dropout_seed that is no int in [0, 2**64) or an int64 CUDA tensor of shape (2,).
     """
-    check_call_args(return_lse=return_lse, deterministic=deterministic, inputs=inputs, q=q, k=k, v=v)
+    check_call_args(return_lse=return_lse, deterministic=deterministic, inputs=inputs, softmax_scale=softmax_scale,
+                    q=q, k=k, v=v)
     _check_seed(dropout_seed)
     if block_mask is not None:
         from attngen import block_sparse
 
+        if spec is not None:  # the lowered mask would have to replace the spec's (not done yet)
+            raise ValueError("block_mask with a spec is not supported; allowed: spec=None, with the spec's mask (the "
+                             "element mask), score_mod and sink passed as arguments")
         mask, inputs = block_sparse.lowered_call(block_mask, mask, inputs, q, k)
     if type(q).__module__.startswith("torch"):
         import torch
@@ -178,10 +182,12 @@ def _array_kind(t) -> str | None:
     return None
 
 
-def check_call_args(*, return_lse=False, deterministic=None, inputs=None, **arrays) -> None:
+def check_call_args(*, return_lse=False, deterministic=None, inputs=None, softmax_scale=None, **arrays) -> None:
     """ValueError naming a front door's argument of the wrong kind, before any of its attributes is
     read: every array a torch tensor or a CuPy array, all of one kind; inputs None or a dict of name
-    -> tensor (or array) of that kind; return_lse a bool; deterministic None or a bool."""
+    -> tensor (or array) of that kind; return_lse a bool; deterministic None or a bool; softmax_scale
+    None or a number (its range is checked against the spec later; torch's op schema would refuse
+    another type with an error of its own)."""
     kinds = {}
     for name, t in arrays.items():
         kind = _array_kind(t)
@@ -206,6 +212,8 @@ def check_call_args(*, return_lse=False, deterministic=None, inputs=None, **arra
         raise ValueError(f"return_lse={return_lse!r} is invalid; allowed: True, False")
     if deterministic is not None and not isinstance(deterministic, bool):
         raise ValueError(f"deterministic={deterministic!r} is invalid; allowed: None, True, False")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
+        raise ValueError(f"softmax_scale={softmax_scale!r} is invalid; allowed: a float or None")
 
 
 def _deterministic(torch, deterministic, spec) -> bool:
@@ -653,9 +661,10 @@ def register():
     _TEXTS = torch.compiler.assume_constant_result(_texts)
     _SINK_INPUTS = torch.compiler.assume_constant_result(_sink_inputs)
     _LEARNABLE = torch.compiler.assume_constant_result(_learnable_inputs)
-    from attngen import varlen
+    from attngen import block_sparse, varlen
 
     varlen.mark_constant_at_trace_time(torch)
+    block_sparse.mark_constant_at_trace_time(torch)
 
     @torch.library.custom_op(OP, mutates_args=(), schema=SCHEMA)
     def forward(q, k, v, spec_key, softmax_scale, input_names=None, inputs=None, rng=None):

@@ -39,7 +39,8 @@ ATTRIBUTES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indi
 
 def lowered(mask: str, q_block: int, kv_block: int, by_batch: bool, by_head: bool) -> str:
     """The mask text attention() runs for a BlockMask with these block sizes and axes, and the
-    element mask `mask` on its partial blocks."""
+    element mask `mask` on its partial blocks. A function of constants: torch.compile runs it once at
+    trace time (mark_constant_at_trace_time), as it cannot trace the parser."""
     from attngen.maskc.ir import to_text
     from attngen.masks import get_mask
 
@@ -52,6 +53,11 @@ def lowered(mask: str, q_block: int, kv_block: int, by_batch: bool, by_head: boo
     if element == "True":
         return f"{state} != 0"
     return f"{state} == 2 or ({state} == 1 and ({element}))"
+
+
+def mark_constant_at_trace_time(torch) -> None:
+    """Called by attngen.api.register(), outside any trace (marking inside one is a graph break)."""
+    torch.compiler.assume_constant_result(lowered)
 
 
 _LOWERED = re.compile(rf"{STATE}\[(0|b), (0|h), q_idx // (\d+), kv_idx // (\d+)\] (?:!= 0$|== 2 or {STATE}"

@@ -47,7 +47,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, page_table=None, spec: Attenti
     from attngen import api
 
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens}
-    api.check_call_args(return_lse=return_lse, inputs=inputs, **arrays,
+    api.check_call_args(return_lse=return_lse, inputs=inputs, softmax_scale=softmax_scale, **arrays,
                         **({} if page_table is None else {"page_table": page_table}))
     key = api._spec_key(q, k_cache, spec, mask, score_mod, sink, k_name="k_cache")
     if type(q).__module__.startswith("torch"):
@@ -84,7 +84,7 @@ def _decode_fake(q, k_cache, v_cache, cache_seqlens, page_table, spec_key, softm
     """Shapes and dtypes of the outputs, after the checks that need no data."""
     import torch
 
-    from attngen import api
+    from attngen import api, targets
     from attngen.runtime import decode as runtime
     from attngen.runtime.tensors import TensorInfo
 
@@ -95,6 +95,9 @@ def _decode_fake(q, k_cache, v_cache, cache_seqlens, page_table, spec_key, softm
                           t.get_device())
 
     spec = api._spec_from_key(spec_key)
+    # The decode family's own refusals (dropout, packed sequences...), as the eager call gives them; the
+    # spec's arch (default sm_90) stands in for the device, which a trace does not ask.
+    runtime.decode_plan(spec, targets.target(spec.arch or targets.DEFAULT_ARCH), page_table is not None)
     runtime.check_num_splits(num_splits)
     qi, ki, vi = info("q", q), info("k_cache", k_cache), info("v_cache", v_cache)
     si = info("cache_seqlens", cache_seqlens)
@@ -159,8 +162,14 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, *, page_table=None,
                          "(batch, capacity, heads_kv, head_dim))")
     if k_cache.shape[1] == 0:
         raise ValueError(f"k_cache has shape {tuple(k_cache.shape)}; allowed: a page size (or capacity) of at least 1")
+    for name, t in (("cache_seqlens", cache_seqlens), ("page_table", page_table)):
+        if t is not None and t.device != k_cache.device:
+            raise ValueError(f"{name} is on {t.device}; allowed: the cache's device, {k_cache.device}")
     if not isinstance(check, bool):
         raise ValueError(f"check={check!r} is invalid; allowed: True, False")
+    if check and k_cache.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError("append_kv(check=True) reads the lengths on the host, which a CUDA graph capture cannot; "
+                         "allowed there: check=False (a write that does not fit is still refused on the device)")
     n = k_new.shape[1]
     positions = cache_seqlens.long()[:, None] + torch.arange(n, device=k_new.device)  # (batch, n)
     # A write that does not fit (a position outside the sequence's capacity, a page id outside the

@@ -73,12 +73,12 @@ def check_rng(rng, q, p: float) -> None:
         return
     if rng is None:
         raise ValueError(f"the spec's dropout_p={p!r} needs rng: an int64 tensor [seed, offset] of shape (2,) on "
-                         f"q's device cuda:{q.device}")
+                         f"q's device {q.where}")
     if rng.dtype != "int64" or rng.shape != (2,):
         raise ValueError(f"rng has dtype {rng.dtype} and shape {rng.shape}; allowed: int64 of shape (2,), "
                          "[seed, offset]")
     if rng.device != q.device:
-        raise ValueError(f"rng is on cuda:{rng.device}; allowed: q's device cuda:{q.device}")
+        raise ValueError(f"rng is on {rng.where}; allowed: q's device {q.where}")
     if rng.strides != (1,) or rng.ptr % 8:
         raise ValueError(f"rng has strides {rng.strides} and data pointer {rng.ptr:#x}; allowed: contiguous and "
                          "8-byte aligned: pass .contiguous()")

@@ -104,6 +104,7 @@ def check(programs, inputs: dict, given: dict, batch: int, heads_q: int, seq_q: 
     exactly the `inputs` (Declared) with the right dtype, rank and device, and every index the
     programs can compute over this call lies inside its tensor."""
     from attngen.maskc.cuda import static_range
+    from attngen.runtime.tensors import device_name
 
     wanted = {d.name: d for d in inputs}
     extra = sorted(set(given) - set(wanted))
@@ -121,7 +122,7 @@ def check(programs, inputs: dict, given: dict, batch: int, heads_q: int, seq_q: 
             raise ValueError(f"input {d.name!r} has shape {t.shape}, but the expression indexes it with {d.arity} "
                              f"indices; allowed: a tensor with {d.arity} dims")
         if t.device != device:
-            raise ValueError(f"input {d.name!r} is on cuda:{t.device} but q is on cuda:{device}")
+            raise ValueError(f"input {d.name!r} is on {t.where} but q is on {device_name(device)}")
     ranges = {"b": (0, batch - 1), "h": (0, heads_q - 1), "q_idx": (0, seq_q - 1), "kv_idx": (0, seq_k - 1),
               "q_len": (seq_q, seq_q), "kv_len": (seq_k, seq_k)}
     for program in programs:

@@ -299,7 +299,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     describe, and rows before cu_seqlens_q[0] or from cu_seqlens_q[-1] on are a sequence without keys."""
     from attngen.api import attention, check_call_args
 
-    check_call_args(return_lse=return_lse, deterministic=deterministic, inputs=inputs, q=q, k=k, v=v)
+    check_call_args(return_lse=return_lse, deterministic=deterministic, inputs=inputs, softmax_scale=softmax_scale,
+                    q=q, k=k, v=v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if len(getattr(t, "shape", ())) != 3:
             raise ValueError(f"{name} must have 3 dims (total_tokens, heads, head_dim) for attention_varlen, got "

@@ -51,6 +51,16 @@ def test_fake_implementation_checks_the_inputs(change, match):
             torch.ops.attngen.forward(q, k, v, spec.key(), None)
 
 
+def test_a_runtime_input_off_the_gpu_is_named_with_its_device():
+    """At trace time a fake CPU tensor reaches the checks (device index -1): the error says cpu."""
+    with FakeTensorMode():
+        q, k, v = fake_inputs()
+        spec = AttentionSpec(head_dim=64, gqa_ratio=4, mask="doc[b, q_idx] == doc[b, kv_idx]")
+        doc = torch.zeros(2, 100, dtype=torch.int32)
+        with pytest.raises(ValueError, match="input 'doc' is on cpu but q is on cuda:0"):
+            torch.ops.attngen.forward(q, k, v, spec.key(), None, ["doc"], [doc])
+
+
 def test_fullgraph_compile_traces_one_op_and_no_graph_break():
     graphs = []
 
@@ -191,6 +201,9 @@ def test_arguments_of_the_wrong_kind_are_named_before_anything_reads_them():
         (lambda: attngen.attention(grad_q, q, q, inputs={"doc": 5}), r"inputs\['doc'\] is an int; allowed"),
         (lambda: attngen.attention(q, q, q, return_lse="no"), "return_lse='no' is invalid; allowed: True, False"),
         (lambda: attngen.attention(q, q, q, deterministic="no"), "deterministic='no' is invalid"),
+        (lambda: attngen.attention(grad_q, q, q, softmax_scale="x"), "softmax_scale='x' is invalid; allowed: a float"),
+        (lambda: attngen.attention_varlen(q[0], q[0], q[0], None, None, softmax_scale=True), "softmax_scale=True is"),
+        (lambda: attngen.decode(q, q, q, q, softmax_scale=[1.0]), r"softmax_scale=\[1.0\] is invalid"),
         (lambda: attngen.attention_varlen(q[0], np.zeros(3), q[0], None, None), "k is an? ndarray; allowed"),
         (lambda: attngen.attention_varlen(q[0], q[0], q[0], None, None, inputs=(1,)), "inputs is a tuple; allowed"),
         (lambda: attngen.decode(None, q, q, q), "q is None; allowed"),

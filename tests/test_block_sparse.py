@@ -259,3 +259,22 @@ def test_forward_kernels_apply_the_element_mask_alone_on_partial_blocks_and_comp
         pytest.skip("nvcc not found")
     report = nvcc.check_plan(plan)
     assert report.spill_bytes == 0, report
+
+
+def test_the_lowering_is_a_constant_under_a_fullgraph_trace():
+    """torch.compile cannot trace the expression parser (it changes warnings filters): attention()
+    with a BlockMask lowers it through a function that runs once at trace time."""
+    attngen.api.register()
+    text = block_sparse.lowered("causal", 128, 64, True, False)
+
+    def traced(x):
+        return x + len(block_sparse.lowered("causal", 128, 64, True, False))
+
+    torch._dynamo.reset()
+    assert torch.compile(traced, backend="eager", fullgraph=True)(torch.zeros(1)).item() == len(text)
+
+
+def test_a_blockmask_with_a_pinned_spec_is_refused_by_name():
+    q = torch.zeros(1, 256, 1, 64)
+    with pytest.raises(ValueError, match="block_mask with a spec is not supported; allowed: spec=None"):
+        attngen.attention(q, q, q, attngen.AttentionSpec(head_dim=64, mask="causal"), block_mask=_bm())

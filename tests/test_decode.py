@@ -298,6 +298,16 @@ def test_append_kv_writes_where_the_cache_is_read(paged):
         append_kv(k, [], k_new, v_new, lens, page_table=table)
 
 
+def test_append_kv_names_lengths_or_a_page_table_on_another_device():
+    k = torch.empty(2, 16, 2, 64, device="meta")
+    new = torch.empty(2, 1, 2, 64, device="meta")
+    lens = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cache_seqlens is on cpu; allowed: the cache's device, meta"):
+        append_kv(k, k, new, new, lens)
+    with pytest.raises(ValueError, match="page_table is on cpu; allowed: the cache's device, meta"):
+        append_kv(k, k, new, new, lens.to("meta"), page_table=torch.zeros(2, 1, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("paged", [True, False])
 @pytest.mark.parametrize("lens, bad_page", [([0, 63], False), ([-2, 10], False), ([5, 10], True)])
 def test_append_kv_unchecked_refuses_a_write_that_does_not_fit(paged, lens, bad_page):
@@ -343,3 +353,23 @@ def test_decode_errors_name_the_cache_as_k_cache():
         attngen.decode(q, k, k, lens)
     with pytest.raises(ValueError, match=r"k_cache must have 4 dims \(num_pages, page_size, heads_kv, head_dim\) or"):
         attngen.decode(q, k[0], k, lens)
+
+
+def test_the_traced_op_refuses_what_the_decode_family_refuses():
+    """At trace time (fake tensors) the op gives the decode family's own refusal, as an eager call would,
+    not a later, misleading one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import attngen
+
+    attngen.register()
+    with FakeTensorMode():
+        q = torch.empty(2, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(2, 256, 2, 128, dtype=torch.bfloat16, device="cuda")
+        lens = torch.empty(2, dtype=torch.int32, device="cuda")
+        with pytest.raises(SpecError, match="decode_sm80: dropout_p=0.1 is for training"):
+            torch.ops.attngen.decode(q, k, k, lens, None, AttentionSpec(head_dim=128, gqa_ratio=4, dropout_p=0.1).key(),
+                                     None, None)
+        out, lse = torch.ops.attngen.decode(q, k, k, lens, None, AttentionSpec(head_dim=128, gqa_ratio=4).key(), None,
+                                            None)
+        assert out.shape == q.shape and lse.shape == (2, 8, 1)

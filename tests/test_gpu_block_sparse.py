@@ -200,3 +200,49 @@ def test_gradients_flow_through_a_blockmask():
     ref = reference.attention_grads(q, k, v, dout, mask=text, inputs=inputs)
     bad = tol.check_grads(grads, ref, q, k, v, out.detach(), dout, "bf16", D ** -0.5, lse=lse.detach())
     assert bad is None, bad
+
+
+def test_a_blockmask_call_compiles_fullgraph_and_matches_eager_exactly():
+    """torch.compile(fullgraph=True) of a call with a BlockMask: the lowering runs once at trace time
+    (no graph break), the state grid is built in the graph, the answer is the eager one bit for bit."""
+    import torch
+
+    B, S, Hq, Hkv, D = 2, 600, 4, 2, 64
+    q, k, v = _qkv(B, S, S, Hq, Hkv, D, seed=19)
+    bm = random_block_mask(B, 1, S, S, 128, 128, seed=21)
+
+    def layer(q, k, v, bm):
+        return attngen.attention(q, k, v, block_mask=bm, mask="causal").float() * 2
+
+    eager = layer(q, k, v, bm)
+    explanation = torch._dynamo.explain(layer)(q, k, v, bm)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(layer, fullgraph=True)(q, k, v, bm), eager)
+
+
+def test_a_blockmask_call_replayed_from_a_cuda_graph_reads_the_lists_of_each_replay():
+    """A graph captured with one BlockMask's lists, replayed after other lists are copied into the same
+    tensors: the state grid is rebuilt from them in the replay (never the eager cache's), so the
+    answer is the new lists', bit for bit the eager call's."""
+    import torch
+
+    B, S, Hq, Hkv, D = 1, 517, 4, 2, 64
+    q, k, v = _qkv(B, S, S, Hq, Hkv, D, seed=23)
+    bm = random_block_mask(1, Hq, S, S, 128, 128, seed=1)
+    lists = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+    attngen.attention(q, k, v, block_mask=bm, mask="causal")  # compile and resolve before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attngen.attention(q, k, v, block_mask=bm, mask="causal")
+    for seed in (2, 3):
+        fresh = random_block_mask(1, Hq, S, S, 128, 128, seed=seed)
+        for name in lists:
+            getattr(bm, name).copy_(getattr(fresh, name))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, attngen.attention(q, k, v, block_mask=fresh, mask="causal")), seed
+        text, inputs = block_sparse.lowered_call(fresh, "causal", None, q, k)
+        ref = reference.attention(q, k, v, mask=text, inputs=inputs)
+        assert tolerance.check_output(out, ref, q, k, v, "bf16", D ** -0.5) is None, seed

@@ -332,6 +332,27 @@ def test_a_split_kernel_started_early_sees_what_the_kernel_before_it_writes_late
             assert bad is None, f"{spec.name}, pages of {page}, splits {num_splits}, sequence {b}: {bad}"
 
 
+@pytest.mark.parametrize("mask", ["causal", "sliding_window(100, 0)"])
+def test_drafts_of_different_lengths_padded_at_the_front_give_each_real_token_its_answer(mask):
+    """docs/decode.md: sequences with fewer new tokens than seq_q, padded at the front; each one's last
+    n rows (its real tokens) match the reference of those n tokens alone (q_len = n)."""
+    import torch
+
+    spec = AttentionSpec(head_dim=128, gqa_ratio=4, mask=mask)
+    B, Hkv, Sq = 3, 2, 6
+    k, v, table = make_cache(B, 700, Hkv, 128, 64, seed=31)
+    lens = torch.tensor([650, 7, 300], dtype=torch.int32, device="cuda")
+    real = [6, 1, 3]  # new tokens per sequence, all appended to the cache already (they are in lens)
+    q = _q(B, Sq, 4 * Hkv, 128, 32)
+    out = attngen.decode(q, k, v, lens, page_table=table, spec=spec)
+    for b, n in enumerate(real):
+        qb = q[b:b + 1, Sq - n:]
+        ref = reference.decode_attention(qb, k, v, lens[b:b + 1].cpu(), spec, page_table=table[b:b + 1].cpu())[0]
+        kb, vb = (reference.gather_cache(t, table, b, int(lens[b])) for t in (k, v))
+        bad = tolerance.check_output(out[b:b + 1, Sq - n:], ref, qb, kb, vb, "bf16", spec.effective_scale)
+        assert bad is None, f"{mask}, sequence {b} ({n} real tokens): {bad}"
+
+
 def test_a_decode_step_replays_from_a_cuda_graph():
     import torch
 
@@ -365,6 +386,11 @@ def test_a_decode_step_replays_from_a_cuda_graph():
             bad = tolerance.check_output(out[b:b + 1], ref[b:b + 1], q[b:b + 1], kb, vb, "bf16", spec.effective_scale)
             assert bad is None, f"sequence {b}: {bad}"
     assert lens.tolist() == [13, 203, 403]
+    # The host check cannot run inside a capture: a clear error naming the way out, nothing captured.
+    with pytest.raises(ValueError, match=r"append_kv\(check=True\) .* allowed there: check=False"):
+        with torch.cuda.stream(stream), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+            attngen.append_kv(k, v, k_new, v_new, lens, page_table=table)
+    torch.cuda.current_stream().wait_stream(stream)
 
 
 def test_decode_traces_with_torch_compile_fullgraph():

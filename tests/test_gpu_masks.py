@@ -142,6 +142,31 @@ def test_runtime_inputs_match_the_reference(gpu_family):
         attngen.attention(q, k, v, mask=DOC_MASK, score_mod="alibi", inputs={"doc": doc[:, :200], "slope": slope})
 
 
+def test_a_document_mask_replayed_from_a_cuda_graph_reads_the_ids_of_each_replay():
+    """The ids are read on the device in every launch (no per-call table on the host): a graph captured
+    with one set of ids, replayed after new ids are copied into the same tensor, gives the new ids'
+    answer, bit for bit the eager call's."""
+    import torch
+
+    B, S, Hkv, ratio = 2, 300, 2, 2
+    q, k, v = _inputs(B, S, S, Hkv, ratio, 64, seed=12)
+    doc = torch.zeros(B, S, dtype=torch.int32, device="cuda")
+    attngen.attention(q, k, v, mask=DOC_MASK, inputs={"doc": doc})  # compile and resolve before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attngen.attention(q, k, v, mask=DOC_MASK, inputs={"doc": doc})
+    for lengths in ([[1, 120, 179], [200, 1, 99]], [[300], [150, 150]]):
+        fresh = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths], dtype=torch.int32,
+                             device="cuda")
+        doc.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, attngen.attention(q, k, v, mask=DOC_MASK, inputs={"doc": fresh.clone()}))
+        ref = reference.attention(q, k, v, mask=DOC_MASK, inputs={"doc": fresh})
+        assert tolerance.check_output(out, ref, q, k, v, "bf16", 64 ** -0.5) is None, lengths
+
+
 def test_the_block_table_holds_the_bounds_of_the_model(gpu_family):
     """The two kernels that build a document mask's table per call (attngen/mask_table.py): the
     summaries are the min and max of doc per granule, and every query block's bounds are those of

@@ -33,7 +33,7 @@ def _check_like(t: TensorInfo, ref: TensorInfo) -> None:
     if t.dtype != ref.dtype:
         raise ValueError(f"{t.name} has dtype {t.dtype}; allowed: {ref.name}'s dtype {ref.dtype}")
     if t.device != ref.device:
-        raise ValueError(f"{t.name} is on cuda:{t.device}; allowed: {ref.name}'s device cuda:{ref.device}")
+        raise ValueError(f"{t.name} is on {t.where}; allowed: {ref.name}'s device {ref.where}")
     if t.strides[-1] != 1:
         raise ValueError(f"{t.name} has strides {t.strides}; allowed: contiguous in its last dim (stride 1)")
     # The kernels move 16-byte chunks of every row, as they do of q's.
@@ -53,7 +53,7 @@ def _check_rows(t: TensorInfo, q: TensorInfo) -> None:
     if t.dtype != "float32":
         raise ValueError(f"{t.name} has dtype {t.dtype}; allowed: float32")
     if t.device != q.device:
-        raise ValueError(f"{t.name} is on cuda:{t.device}; allowed: q's device cuda:{q.device}")
+        raise ValueError(f"{t.name} is on {t.where}; allowed: q's device {q.where}")
     # The kernels index it as contiguous; a dim of size 1 never moves, whatever its stride says.
     contiguous = (Hq * Sq, Sq, 1)
     if any(n > 1 and s != want for n, s, want in zip(t.shape, t.strides, contiguous)):

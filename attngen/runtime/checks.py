@@ -47,7 +47,7 @@ def check_inputs(problem: Problem, q: TensorInfo, k: TensorInfo, v: TensorInfo) 
             raise ValueError(f"{t.name} rows must be 16-byte aligned (data pointer and batch/seq/head strides "
                              f"multiples of 8 elements), got strides {t.strides}; pass .contiguous()")
         if t.device != q.device:
-            raise ValueError(f"{t.name} is on cuda:{t.device} but q is on cuda:{q.device}")
+            raise ValueError(f"{t.name} is on {t.where} but q is on {q.where}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
     if k.shape[0] != q.shape[0]:
@@ -70,7 +70,7 @@ def check_output(t: TensorInfo, q: TensorInfo, shape, dtype: str) -> None:
     if t.dtype != dtype:
         raise ValueError(f"{t.name} must have dtype {dtype}, got {t.dtype}")
     if t.device != q.device:
-        raise ValueError(f"{t.name} is on cuda:{t.device} but q is on cuda:{q.device}")
+        raise ValueError(f"{t.name} is on {t.where} but q is on {q.where}")
     if t.name == "out" and (t.strides[-1] != 1 or t.ptr % 16 or any(s % 8 for s in t.strides[:-1])):
         raise ValueError(f"out must be 16-byte aligned and contiguous in its last dim, got strides {t.strides}")
     if t.name == "lse":

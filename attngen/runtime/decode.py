@@ -53,7 +53,7 @@ def check_decode_inputs(problem, q: TensorInfo, k: TensorInfo, v: TensorInfo, se
             raise ValueError(f"{t.name} rows must be 16-byte aligned (data pointer and strides multiples of 8 "
                              f"elements), got strides {t.strides}; pass .contiguous()")
         if t.device != q.device:
-            raise ValueError(f"{t.name} is on cuda:{t.device} but q is on cuda:{q.device}")
+            raise ValueError(f"{t.name} is on {t.where} but q is on {q.where}")
     if k.shape != v.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {k.shape} and {v.shape}")
     B, Sq, Hq, _ = q.shape
@@ -77,7 +77,7 @@ def check_decode_inputs(problem, q: TensorInfo, k: TensorInfo, v: TensorInfo, se
         if t.strides[-1] != 1 and t.shape[-1] > 1:
             raise ValueError(f"{t.name} must be contiguous in its last dim, got strides {t.strides}")
         if t.device != q.device:
-            raise ValueError(f"{t.name} is on cuda:{t.device} but q is on cuda:{q.device}")
+            raise ValueError(f"{t.name} is on {t.where} but q is on {q.where}")
     if page_table is not None and page_table.shape[1] < 1:
         raise ValueError(f"page_table has shape {page_table.shape}; allowed: at least one page per sequence")
     if page_table is None and k.shape[0] != B:

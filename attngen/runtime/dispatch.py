@@ -22,7 +22,7 @@ from attngen.families.base import ForwardCall, Plan
 from attngen.runtime import checks
 from attngen.runtime.launch import LoadedModule
 from attngen.runtime.prepared import Prepared
-from attngen.runtime.tensors import TensorInfo, current_stream, describe, new_like
+from attngen.runtime.tensors import TensorInfo, current_stream, describe, device_name, new_like
 from attngen.spec import AttentionSpec
 
 
@@ -40,7 +40,7 @@ class Kernel:
         self._module = LoadedModule(plan, binary.path, device)
 
     def __repr__(self) -> str:
-        return f"Kernel({self.plan.name}, cuda:{self.device})"
+        return f"Kernel({self.plan.name}, {device_name(self.device)})"
 
     def __call__(self, q, k, v, *, softmax_scale: float | None = None, out=None, lse=None, inputs=None, rng=None):
         """Run on q, k, v (and the runtime inputs the mask and score modifier read; with dropout, `rng`:
@@ -49,7 +49,7 @@ class Kernel:
         qi, ki, vi = describe(q, "q"), describe(k, "k"), describe(v, "v")
         checks.check_inputs(self.plan.problem, qi, ki, vi)
         if qi.device != self.device:
-            raise ValueError(f"q is on cuda:{qi.device} but this kernel is loaded on cuda:{self.device}")
+            raise ValueError(f"q is on {qi.where} but this kernel is loaded on {device_name(self.device)}")
         out, lse, call = _outputs_and_call(self.plan, q, qi, ki, vi, out, lse, softmax_scale, inputs, rng)
         reason = self.family.accepts(self.plan, call)
         if reason is not None:

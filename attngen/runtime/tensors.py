@@ -14,7 +14,17 @@ class TensorInfo:
     shape: tuple[int, ...]
     strides: tuple[int, ...]  # in elements
     dtype: str  # element-type name: "bfloat16", "float16", "float32", ...
-    device: int  # CUDA device index
+    device: int  # CUDA device index (-1: a tensor off the GPU, as a fake tensor at trace time may be)
+
+    @property
+    def where(self) -> str:
+        """The device as errors name it."""
+        return device_name(self.device)
+
+
+def device_name(index: int) -> str:
+    """A device index as errors name it: cuda:N, or cpu for -1 (torch's index of a CPU tensor)."""
+    return "cpu" if index < 0 else f"cuda:{index}"
 
 
 _TORCH_DTYPE_NAMES: dict = {}
