@@ -282,7 +282,12 @@ def _needs_grad(torch, q, k, v, inputs) -> bool:
         return False
     if q.requires_grad or k.requires_grad or v.requires_grad:
         return True
-    return bool(inputs) and any(getattr(t, "requires_grad", False) for t in _split_inputs(inputs)[1])
+    # A plain loop: torch 2.11's dynamo could not trace bool() of the inputs dict (a graph break under
+    # torch.compile of a call with a BlockMask, whose state grid is an input).
+    for t in _split_inputs(inputs)[1]:
+        if getattr(t, "requires_grad", False):
+            return True
+    return False
 
 
 def _check_grad_inputs(spec_key: str, input_names, inputs) -> None:
@@ -429,7 +434,8 @@ def _known_texts(kind: str, text) -> tuple[str | None, str]:
     "score_mod"). Parsing an expression is nothing for torch.compile to trace: texts seen before
     (and none, causal) come from a dict that dynamo reads as constants; others go through
     _TEXTS, which register() marks to run once at trace time (the dict grows only eagerly)."""
-    texts = _TEXT_CACHE.get((kind, text)) if type(text) is str else None
+    # isinstance, not type() is: dynamo failed on type() of a str a marked function returned (block_sparse).
+    texts = _TEXT_CACHE.get((kind, text)) if isinstance(text, str) else None
     if texts is None:
         texts = _TEXTS(kind, text)
         torch = sys.modules.get("torch")

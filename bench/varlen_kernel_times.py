@@ -6,6 +6,7 @@ bf16): the tile builder against the forward kernel, and the gap from one kernel'
     PYTHONPATH=. python bench/varlen_kernel_times.py [--documents N --tokens T]"""
 import argparse
 import collections
+import re
 import statistics
 
 import torch
@@ -33,11 +34,17 @@ with torch.no_grad():
             attngen.attention_varlen(q, k, v, cu, cu, mask="causal")
         torch.cuda.synchronize()
 kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+
+
+def is_builder(name: str) -> bool:  # {plan}_tiles{threads} (varlen_tiles.py builder_kernels; before, {plan}_tiles)
+    return re.search(r"_tiles\d*$", name) is not None
+
+
 times = collections.defaultdict(list)
 for e in kernels:
-    times["tiles" if e.name.endswith("_tiles") else ("forward" if "fwd_sm90" in e.name else e.name[:30])].append(e.device_time)
+    times["tiles" if is_builder(e.name) else ("forward" if "fwd_sm90" in e.name else e.name[:30])].append(e.device_time)
 print(f"{len(lengths)} documents in {tokens} tokens:", {n: (len(t), round(statistics.median(t), 2)) for n, t in times.items()})
-starts = [(e.name.endswith("_tiles"), e.time_range.start, e.time_range.end) for e in kernels]
+starts = [(is_builder(e.name), e.time_range.start, e.time_range.end) for e in kernels]
 # builder start -> forward start, forward end -> next builder start (us)
 after_tiles = [b[1] - a[1] for a, b in zip(starts, starts[1:]) if a[0] and not b[0]]
 between_calls = [b[1] - a[2] for a, b in zip(starts, starts[1:]) if not a[0] and b[0]]

@@ -573,19 +573,22 @@ def test_varlen_plans_build_their_tile_list_before_the_kernel(monkeypatch):
     h100 = dataclasses.replace(H100, sms=132)
     plan = plan_spec(AttentionSpec(head_dim=128, mask="causal", gqa_ratio=2, varlen=True), h100)
     assert plan.family == "fwd_sm90" and plan.schedule == "dynamic"
-    assert [k.symbol for k in plan.kernels] == [plan.name, f"{plan.name}_tiles"] and plan.kernels[1].threads == 1024
+    assert [(k.symbol, k.threads) for k in plan.kernels] == [(plan.name, 384), (f"{plan.name}_tiles256", 256),
+                                                             (f"{plan.name}_tiles1024", 1024)]
     names = [p.name for p in plan.kernels[0].abi.params]
     assert {"in_cu_seqlens_q", "in_cu_seqlens_k", "num_seqs", "o", "o_s1", "o_s2"} <= set(names)
     with pytest.raises(SpecError, match="allowed: schedule=dynamic"):
         plan_spec(AttentionSpec(head_dim=128, varlen=True, family="fwd_sm90", config={"schedule": "pairs"}), h100)
-    for sequences, total, grid in ((3, 1000, 52), (16, 16384, 132)):
+    # The narrowest builder that holds the sequences: 256 threads up to 256 of them, 1,024 beyond (in chunks).
+    for sequences, total, grid, threads in ((3, 1000, 52, 256), (16, 16384, 132, 256), (256, 16384, 132, 256),
+                                            (257, 16384, 132, 1024), (1500, 16384, 132, 1024)):
         cu = _tensor("cu", (sequences + 1,), "int32")
         call = _sm90_call(128, 1, total, 4, 2, workspace=1 << 30, inputs=(("cu_seqlens_k", cu), ("cu_seqlens_q", cu)))
         capacity = math.ceil(total / 128) + sequences + 2
         assert sm90.varlen_capacity(plan, call) == capacity
         assert family.workspace_bytes(plan, call) == 16 + 16 * (sequences + 2) + 8 * capacity
         build, main = family.launches(plan, call)
-        assert build.kernel == f"{plan.name}_tiles" and build.grid == (1, 1, 1) and build.block == (1024, 1, 1)
+        assert build.kernel == f"{plan.name}_tiles{threads}" and build.grid == (1, 1, 1) and build.block == (threads, 1, 1)
         assert main.kernel == plan.name and main.grid == (min(capacity * 4, 132), 1, 1) and build.params == main.params
         assert main.early and not build.early
         assert grid == main.grid[0]
@@ -598,18 +601,19 @@ def test_sm80_varlen_plans_build_the_same_list_and_run_a_cta_per_entry():
     family = get_family("fwd_sm80")
     plan = plan_spec(AttentionSpec(head_dim=128, mask="causal", gqa_ratio=2, varlen=True, family="fwd_sm80"),
                      targets.target("sm_80"))
-    assert [k.symbol for k in plan.kernels] == [plan.name, f"{plan.name}_tiles"] and plan.kernels[1].threads == 1024
+    assert [(k.symbol, k.threads) for k in plan.kernels[1:]] == [(f"{plan.name}_tiles256", 256),
+                                                                  (f"{plan.name}_tiles1024", 1024)]
     names = {p.name for p in plan.kernels[0].abi.params}
     assert {"in_cu_seqlens_q", "in_cu_seqlens_k", "num_seqs", "m_blocks", "tile_counter"} <= names
     source = family.render(plan)
-    assert "#define ATTNGEN_VARLEN 1" in source and "varlen::build(p," in source
-    for sequences, total in ((3, 1000), (16, 16384)):
+    assert "#define ATTNGEN_VARLEN 1" in source and "varlen::build<256>(p," in source and "varlen::build<1024>(p," in source
+    for sequences, total, threads in ((3, 1000, 256), (16, 16384, 256), (600, 16384, 1024), (1025, 16384, 1024)):
         cu = _tensor("cu", (sequences + 1,), "int32")
         call = _sm90_call(128, 1, total, 4, 2, workspace=1 << 30, inputs=(("cu_seqlens_k", cu), ("cu_seqlens_q", cu)))
         capacity = math.ceil(total / plan.block_m) + sequences + 2
         assert family.workspace_bytes(plan, call) == 16 + 16 * (sequences + 2) + 8 * capacity
         build, main = family.launches(plan, call)
-        assert build.kernel == f"{plan.name}_tiles" and build.grid == (1, 1, 1) and build.block == (1024, 1, 1)
+        assert build.kernel == f"{plan.name}_tiles{threads}" and build.grid == (1, 1, 1) and build.block == (threads, 1, 1)
         assert main.kernel == plan.name and main.grid == (capacity, 4, 1) and build.params == main.params
         assert not main.early and not build.early
 
@@ -645,14 +649,14 @@ def test_sm90_kernels_behind_their_setup_kernel_wait_for_it_first(spec, tmp_path
     if nvcc.find_cuobjdump() is None:
         pytest.skip("cuobjdump not on PATH: the SASS is not checked here (CI installs it)")
     plan = plan_spec(spec, targets.target("sm_90a"))
-    assert plan.schedule == "dynamic" and len(plan.kernels) == 2
+    assert plan.schedule == "dynamic" and len(plan.kernels) == (3 if spec.varlen else 2)  # varlen: two builders
     cubin = tmp_path / "k.cubin"
     nvcc.check_plan(plan, keep_cubin=cubin)
     functions = sass_waits.functions(nvcc.sass(cubin))
     sass_waits.before_the_wait(plan.name, functions[plan.name])
-    setup = functions[plan.kernels[1].symbol]
-    trigger = setup.split("PREEXIT", 1)
-    assert len(trigger) == 2 and not sass_waits.GLOBAL_ACCESS.search(trigger[0]), plan.kernels[1].symbol
+    for setup_kernel in plan.kernels[1:]:
+        trigger = functions[setup_kernel.symbol].split("PREEXIT", 1)
+        assert len(trigger) == 2 and not sass_waits.GLOBAL_ACCESS.search(trigger[0]), setup_kernel.symbol
 
 
 @pytest.mark.skipif(not nvcc.nvcc_available(), reason="nvcc not found (PATH or $CUDA_HOME/bin)")

@@ -216,7 +216,8 @@ def test_a_blockmask_call_compiles_fullgraph_and_matches_eager_exactly():
 
     eager = layer(q, k, v, bm)
     explanation = torch._dynamo.explain(layer)(q, k, v, bm)
-    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, \
+        [(r.reason, [str(frame) for frame in r.user_stack[-3:]]) for r in explanation.break_reasons]
     torch._dynamo.reset()
     assert torch.equal(torch.compile(layer, fullgraph=True)(q, k, v, bm), eager)
 

@@ -112,6 +112,22 @@ def test_more_sequences_than_the_builder_has_threads():
     check(out, lse, q, k, v, cu_q, cu_k, "bf16", mask="causal")
 
 
+@pytest.mark.parametrize("sequences", [1, 16, 256, 257, 600, 1024])
+def test_the_builder_as_wide_as_its_sequences(sequences):
+    """The narrowest builder that holds the sequences runs (256 threads, or 1,024: attngen/families/
+    varlen_tiles.py build_threads): counts at each width's edges, one sequence of 16 tiles and the rest of
+    0 to 8 rows (the tolerance's bound is dense over the packed tokens: few of them)."""
+    import torch
+
+    g = torch.Generator().manual_seed(sequences)
+    lengths_q = [2000] + torch.randint(0, 9, (sequences - 1,), generator=g).tolist()
+    lengths_k = [n + int(torch.randint(0, 9, (1,), generator=g)) for n in lengths_q]
+    q, k, v, cu_q, cu_k, _ = make(lengths_q, lengths_k, 4, 2, 64, "bf16", seed=sequences)
+    with torch.no_grad():
+        out, lse = attngen.attention_varlen(q, k, v, cu_q, cu_k, mask="causal", return_lse=True)
+    check(out, lse, q, k, v, cu_q, cu_k, "bf16", mask="causal")
+
+
 def test_one_long_sequence_and_rows_outside_every_sequence():
     """Rows before cu_seqlens_q[0] and past cu_seqlens_q[-1] see no key: 0 and -inf, written (the
     outputs start as NaN through a poisoned allocator is not possible here, so they are compared)."""

@@ -1,8 +1,12 @@
 // ---- varlen_tiles.cuh: the tiles of a packed-sequence (varlen) call, built on the GPU ----
 // Sequences packed end to end (attngen/varlen.py) are tiled per sequence: a tile's query rows and
 // keys never cross a sequence's boundary, so its mask is the sequence's own (per-sequence
-// positions) and no element is masked for belonging to another sequence. One CTA of
-// BUILD_THREADS builds, before the forward kernel runs (no host synchronisation):
+// positions) and no element is masked for belonging to another sequence. One CTA of THREADS builds,
+// before the forward kernel runs (no host synchronisation); each plan holds a builder of each width in
+// BUILD_WIDTHS and a call launches the narrowest that holds its sequences (attngen/families/varlen_tiles.py
+// build_threads): the build is a chain of block-wide scans and barriers over a few values, each link
+// longer the wider the CTA, and a width fixed at compile time keeps its loops unrolled (docs/perf-notes.md
+// "The tile builder as wide as its sequences"):
 // - the segment table: segment 0 the rows before the first sequence, 1 + s sequence s, and
 //   num_seqs + 1 the rows after the last; each {first row, rows, first key, keys}. Sequence s
 //   covers [max(cu_q[0..s]), max(cu_q[0..s+1])) clipped to [0, Sq) (and likewise its keys): for
@@ -20,13 +24,13 @@
 
 namespace varlen {
 
-constexpr int BUILD_THREADS = 1024;
 constexpr int WORK_BUCKETS = 1024;  // key-block counts sorted apart; longer tiles share the last bucket
-static_assert(WORK_BUCKETS == BUILD_THREADS, "the buckets' scan gives one bucket to each thread");
+constexpr int NO_END = -2147483647 - 1;  // the identity of the ends' max-scan (NVRTC has no <climits>)
 
-// A block-wide inclusive scan of v under op; `total` gets the last thread's value.
-template <class Op>
-__device__ __forceinline__ int block_scan(int v, Op op, int* warp_totals, int& total) {
+// A block-wide inclusive scan of v under op (whose identity is `none`); `total` gets the last thread's value.
+template <int THREADS, class Op>
+__device__ __forceinline__ int block_scan(int v, Op op, int none, int* warp_totals, int& total) {
+    constexpr int warps = THREADS / 32;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
     for (int d = 1; d < 32; d *= 2) {
@@ -36,9 +40,9 @@ __device__ __forceinline__ int block_scan(int v, Op op, int* warp_totals, int& t
     if (lane == 31) warp_totals[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        int w = warp_totals[lane];  // BUILD_THREADS / 32 == 32 warps
+        int w = lane < warps ? warp_totals[lane] : none;
 #pragma unroll
-        for (int d = 1; d < 32; d *= 2) {
+        for (int d = 1; d < warps; d *= 2) {  // lanes past the warps are never read
             const int other = __shfl_up_sync(0xffffffffu, w, d);
             if (lane >= d) w = op(other, w);
         }
@@ -46,7 +50,7 @@ __device__ __forceinline__ int block_scan(int v, Op op, int* warp_totals, int& t
     }
     __syncthreads();
     if (warp > 0) v = op(warp_totals[warp - 1], v);
-    total = warp_totals[31];
+    total = warp_totals[warps - 1];
     __syncthreads();  // warp_totals is reused by the next scan
     return v;
 }
@@ -67,34 +71,39 @@ __device__ __forceinline__ int2* tile_list(const P& p) {
     return reinterpret_cast<int2*>(segments(p) + p.num_seqs + 2);
 }
 
-// Pass 0 counts each bucket's tiles, pass 1 places them. Chunks of BUILD_THREADS sequences: a
+// Pass 0 counts each bucket's tiles, pass 1 places them. Chunks of THREADS sequences: a
 // scan of their query blocks gives each sequence its first tile, and the chunk's tiles are spread
-// over the threads (a thread finds its tile's sequence by binary search), so one long sequence and
+// over the THREADS (a thread finds its tile's sequence by binary search), so one long sequence and
 // many short ones cost alike.
 // work_of(segment, query block): the key blocks that tile visits, by the family's own bounds.
-template <class P, class WorkOf>
+template <int THREADS, class P, class WorkOf>
 __device__ void build(const P& p, WorkOf work_of) {
+    static_assert(THREADS % 32 == 0 && THREADS <= WORK_BUCKETS && WORK_BUCKETS % THREADS == 0, "whole warps, whole rounds of buckets");
+    constexpr bool NARROW = THREADS < WORK_BUCKETS;  // pass 1 scans the buckets in rounds: from the longest tile's on
     __shared__ int count[WORK_BUCKETS];
-    __shared__ int first_tile[BUILD_THREADS + 1];
+    __shared__ int first_tile[THREADS + 1];
     __shared__ int warp_totals[32];
     __shared__ int carry[2];  // the ranges' ends so far: rows, keys
+    __shared__ int most_work;  // NARROW: the most key blocks a tile visits
     // The current chunk's segments and the two gaps' (the global table is read back only across chunks):
     // each read back from global memory was a dependent round trip of the build, which the forward
     // kernel waits for (docs/perf-notes.md "The tile builder's round trips").
-    __shared__ int4 chunk_seg[BUILD_THREADS];
+    __shared__ int4 chunk_seg[THREADS];
     __shared__ int4 gaps[2];
     const int tid = threadIdx.x;
     const int n = p.num_seqs;
+    int my_most_work = 0;  // NARROW: the most key blocks this thread's tiles visit (pass 0)
     int4* seg = segments(p);
     int2* list = tile_list(p);
-    auto add = [](int a, int b) { return a + b; };
-    auto maximum = [](int a, int b) { return max(a, b); };
+    auto add = [](int a, int b) { return a + b; };  // identity 0
+    auto maximum = [](int a, int b) { return max(a, b); };  // identity NO_END
     auto q_end_of = [&](int s) { return s < n ? p.in_cu_seqlens_q[(long long)(s + 1) * p.in_cu_seqlens_q_s0] : 0; };
     auto k_end_of = [&](int s) { return s < n ? p.in_cu_seqlens_k[(long long)(s + 1) * p.in_cu_seqlens_k_s0] : 0; };
     // The first chunk's ends are requested together with the first start: one round trip for both.
     const int first_q_end = q_end_of(tid), first_k_end = k_end_of(tid);
-    for (int i = tid; i < WORK_BUCKETS; i += BUILD_THREADS) count[i] = 0;
+    for (int i = tid; i < WORK_BUCKETS; i += THREADS) count[i] = 0;
     if (tid == 0) {
+        most_work = 0;
         carry[0] = min(max(p.in_cu_seqlens_q[0], 0), p.Sq);
         carry[1] = min(max(p.in_cu_seqlens_k[0], 0), p.Sk);
         gaps[0] = make_int4(0, carry[0], 0, 0);  // rows before the first sequence: no key
@@ -104,26 +113,39 @@ __device__ void build(const P& p, WorkOf work_of) {
 #pragma unroll 1
     for (int pass = 0; pass < 2; ++pass) {
         if (pass == 1) {  // count[] becomes each bucket's next free slot, the most work first
-            int total;
-            const int c = count[tid];
-            count[tid] = block_scan(c, add, warp_totals, total) - c;
+            int total = 0;
+            if constexpr (NARROW) {
+                // Only the buckets from the longest tile's on hold tiles: scanned THREADS at a time (one
+                // round for the documents' short tiles; the buckets' order is the list's).
+#pragma unroll 1
+                for (int b0 = bucket_of(most_work); b0 < WORK_BUCKETS; b0 += THREADS) {
+                    const int b = b0 + tid, c = b < WORK_BUCKETS ? count[b] : 0;
+                    int round_total;
+                    const int slot = total + block_scan<THREADS>(c, add, 0, warp_totals, round_total) - c;
+                    if (b < WORK_BUCKETS) count[b] = slot;
+                    total += round_total;
+                }
+            } else {
+                const int c = count[tid];
+                count[tid] = block_scan<THREADS>(c, add, 0, warp_totals, total) - c;
+            }
             if (tid == 0) p.tile_counter[1] = min(total, p.m_blocks);
             // The slots past the entries read as none (query block -1): a CTA reading its slot
             // needs no count first (fwd_sm80), and no slot is left uninitialised.
-            for (int i = total + tid; i < p.m_blocks; i += BUILD_THREADS) list[i] = make_int2(0, -1);
+            for (int i = total + tid; i < p.m_blocks; i += THREADS) list[i] = make_int2(0, -1);
             __syncthreads();
         }
         // Chunk c of sequences: thread tid holds sequence s = c + tid.
 #pragma unroll 1
-        for (int c = 0; c < n; c += BUILD_THREADS) {
+        for (int c = 0; c < n; c += THREADS) {
             const int s = c + tid;
             int4 mine = make_int4(0, 0, 0, 0);
             if (pass == 0) {
                 const int q_end = c == 0 ? first_q_end : q_end_of(s);
                 const int k_end = c == 0 ? first_k_end : k_end_of(s);
                 int total;
-                const int q1 = min(max(block_scan(q_end, maximum, warp_totals, total), carry[0]), p.Sq);
-                const int k1 = min(max(block_scan(k_end, maximum, warp_totals, total), carry[1]), p.Sk);
+                const int q1 = min(max(block_scan<THREADS>(q_end, maximum, NO_END, warp_totals, total), carry[0]), p.Sq);
+                const int k1 = min(max(block_scan<THREADS>(k_end, maximum, NO_END, warp_totals, total), carry[1]), p.Sk);
                 // Each sequence starts where the one before ends (first_tile is borrowed to pass the ends).
                 first_tile[tid] = q1;
                 __syncthreads();
@@ -135,11 +157,11 @@ __device__ void build(const P& p, WorkOf work_of) {
                 mine = make_int4(prev_q, q1 - prev_q, prev_k, k1 - prev_k);
                 if (s < n) seg[1 + s] = mine;
                 __syncthreads();
-                if (tid == min(BUILD_THREADS, n - c) - 1) {
+                if (tid == min(THREADS, n - c) - 1) {
                     carry[0] = q1;
                     carry[1] = k1;
                 }
-            } else if (n <= BUILD_THREADS) {
+            } else if (n <= THREADS) {
                 mine = chunk_seg[tid];  // one chunk: still there from pass 0
             } else if (s < n) {
                 mine = seg[1 + s];
@@ -147,26 +169,32 @@ __device__ void build(const P& p, WorkOf work_of) {
             chunk_seg[tid] = mine;  // read by the tile loop below, after the scan's barriers
             int chunk_tiles;
             const int blocks = s < n ? query_blocks(mine.y) : 0;
-            first_tile[tid + 1] = block_scan(blocks, add, warp_totals, chunk_tiles);
+            first_tile[tid + 1] = block_scan<THREADS>(blocks, add, 0, warp_totals, chunk_tiles);
             if (tid == 0) first_tile[0] = 0;
             __syncthreads();
 #pragma unroll 1
-            for (int e = tid; e < chunk_tiles; e += BUILD_THREADS) {
-                int lo = 0, hi = BUILD_THREADS;  // the last sequence whose first tile is <= e
+            for (int e = tid; e < chunk_tiles; e += THREADS) {
+                int lo = 0, hi = THREADS;  // the last sequence whose first tile is <= e
                 while (hi - lo > 1) {
                     const int mid = (lo + hi) / 2;
                     if (first_tile[mid] <= e) lo = mid; else hi = mid;
                 }
                 const int m_block = e - first_tile[lo];
-                const int bucket = bucket_of(work_of(chunk_seg[lo], m_block));
+                const int work = work_of(chunk_seg[lo], m_block);
+                const int bucket = bucket_of(work);
                 if (pass == 0) {
                     atomicAdd(&count[bucket], 1);
+                    if constexpr (NARROW) my_most_work = max(my_most_work, work);
                 } else {
                     const int slot = atomicAdd(&count[bucket], 1);
                     if (slot < p.m_blocks) list[slot] = make_int2(1 + c + lo, m_block);
                 }
             }
             __syncthreads();
+        }
+        if (NARROW && pass == 0) {  // one shared atomic a warp: every thread's on one address serialised (~1 us)
+            const int warp_most = __reduce_max_sync(0xffffffffu, my_most_work);
+            if (tid % 32 == 0) atomicMax(&most_work, warp_most);
         }
         // The rows before the first sequence and after the last: no key, the least work.
         if (tid == 0 && pass == 0) {
@@ -177,7 +205,7 @@ __device__ void build(const P& p, WorkOf work_of) {
         for (int g = 0; g < 2; ++g) {
             const int which = g == 0 ? 0 : n + 1;
             const int4 gap = gaps[g];
-            for (int m = tid; m < query_blocks(gap.y); m += BUILD_THREADS) {
+            for (int m = tid; m < query_blocks(gap.y); m += THREADS) {
                 const int slot = atomicAdd(&count[bucket_of(0)], 1);
                 if (pass == 1 && slot < p.m_blocks) list[slot] = make_int2(which, m);
             }

@@ -9,14 +9,36 @@ from __future__ import annotations
 
 import math
 
-from attngen.families.base import ForwardCall
+from attngen.codegen.abi import Abi
+from attngen.families.base import ForwardCall, KernelPlan, Launch
 
-BUILD_THREADS = 1024  # varlen_tiles.cuh BUILD_THREADS: the builder is one CTA of these
+# The builder is one CTA; a plan holds one builder kernel of each width and a call launches the narrowest
+# that holds its sequences (more than the widest are taken in chunks of that many).
+BUILD_WIDTHS = (256, 1024)
 
 
 def num_seqs(call: ForwardCall) -> int:
     """The sequences packed in the call's q, k, v (cu_seqlens entries - 1)."""
     return call.input("cu_seqlens_q").shape[0] - 1
+
+
+def build_threads(call: ForwardCall) -> int:
+    """The builder CTA's threads for the call. The build is a chain of block-wide scans and barriers,
+    each as long as the CTA is wide, so 16 sequences take 8 warps, not 32; narrower still, the tile
+    loop (serial in each thread) costs more than the barriers save; a width fixed at compile time keeps
+    the builder's loops unrolled (docs/perf-notes.md "The tile builder as wide as its sequences")."""
+    return next((w for w in BUILD_WIDTHS if num_seqs(call) <= w), BUILD_WIDTHS[-1])
+
+
+def builder_kernels(name: str, abi: Abi) -> tuple[KernelPlan, ...]:
+    """The plan's builder kernels, one of each width (the template renders one per entry)."""
+    return tuple(KernelPlan(f"{name}_tiles{width}", width, 0, abi) for width in BUILD_WIDTHS)
+
+
+def builder_launch(name: str, call: ForwardCall, params: bytes) -> Launch:
+    """The launch of the builder for the call's sequences (one CTA), before the forward kernel."""
+    threads = build_threads(call)
+    return Launch(f"{name}_tiles{threads}", (1, 1, 1), (threads, 1, 1), 0, params)
 
 
 def capacity(block_m: int, call: ForwardCall) -> int:

@@ -255,7 +255,7 @@ class Sm80Forward(KernelFamily):
         builder = ()
         if problem.varlen:  # (mask_problem: a closed form without inputs, so no block table beside the list)
             abi = Abi(abi.struct_name, [*abi.params, *_varlen_arguments(config.block_m)])
-            builder = (KernelPlan(f"{name}_tiles", varlen_tiles.BUILD_THREADS, 0, abi),)
+            builder = varlen_tiles.builder_kernels(name, abi)
         return Sm80Plan(
             family=self.name, name=name, problem=problem, target=target, config=config,
             kernels=(KernelPlan(name, threads, smem, abi), *mask_table.kernels(name, table, abi), *builder),
@@ -276,7 +276,7 @@ class Sm80Forward(KernelFamily):
         params = plan.kernels[0].abi.pack(call)
         if plan.problem.varlen:  # the list first, then a CTA per entry (its capacity) and query head
             grid = (varlen_tiles.capacity(plan.block_m, call), call.heads_q, 1)
-            return [Launch(plan.kernels[-1].symbol, (1, 1, 1), (varlen_tiles.BUILD_THREADS, 1, 1), 0, params),
+            return [varlen_tiles.builder_launch(plan.name, call, params),
                     Launch(plan.name, grid, (plan.threads, 1, 1), plan.smem_bytes, params)]
         grid = (math.ceil(call.seq_q / plan.block_m), call.heads_q, call.batch)
         return [*mask_table.launches(plan, call, params),

@@ -446,7 +446,7 @@ class Sm90Forward(KernelFamily):
         ordered = _ordered(config.schedule, table, problem.varlen)
         if problem.varlen:
             abi = Abi(abi.struct_name, [*abi.params, *VARLEN_ARGUMENTS])
-            first = (KernelPlan(f"{name}_tiles", varlen_tiles.BUILD_THREADS, 0, abi),)
+            first = varlen_tiles.builder_kernels(name, abi)
         elif ordered:
             abi = Abi(abi.struct_name, [*abi.params, *ORDER_ARGUMENTS])
             first = (KernelPlan(f"{name}_reset", ORDER_THREADS, 0, abi),)
@@ -503,7 +503,7 @@ class Sm90Forward(KernelFamily):
         # launch and set-up overlap that kernel, and it waits for its writes (flash_fwd_sm90.cuh pdl_wait).
         if varlen:
             params = plan.kernels[0].abi.pack(args)
-            return [Launch(plan.kernels[-1].symbol, (1, 1, 1), (varlen_tiles.BUILD_THREADS, 1, 1), 0, params),
+            return [varlen_tiles.builder_launch(plan.name, call, params),
                     Launch(plan.name, (min(tiles, sms), 1, 1), (plan.threads, 1, 1), plan.smem_bytes, params,
                            early=EARLY_AFTER_SETUP)]
         if plan.schedule == "pairs":  # pairs of tiles (an even count per head) dealt out to one CTA per SM at most
