@@ -77,6 +77,9 @@ def test_fullgraph_compile_traces_one_op_and_no_graph_break():
     def compiled_mask(q, k, v):  # parsed once at trace time, a constant in the graph
         return attngen.attention(q, k, v, mask="chunked(64)  and causal", score_mod="softcap(20)")
 
+    def with_inputs(q, k, v, doc):  # runtime inputs: torch 2.11's dynamo broke the graph on bool() of their dict
+        return attngen.attention(q, k, v, mask="doc[b, q_idx] == doc[b, kv_idx] and causal", inputs={"doc": doc})
+
     with FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = fake_inputs()
         out = torch.compile(layer, backend=backend, fullgraph=True)(q, k, v)
@@ -85,7 +88,10 @@ def test_fullgraph_compile_traces_one_op_and_no_graph_break():
         assert o.shape == q.shape and lse.shape == (2, 8, 100)
         out = torch.compile(compiled_mask, backend=backend, fullgraph=True)(q, k, v)
         assert out.shape == q.shape
-    assert len(graphs) == 3  # fullgraph: one graph per function, no breaks
+        doc = torch.empty(2, 100, dtype=torch.int32, device="cuda")
+        out = torch.compile(with_inputs, backend=backend, fullgraph=True)(q, k, v, doc)
+        assert out.shape == q.shape
+    assert len(graphs) == 4  # fullgraph: one graph per function, no breaks
     ops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "attngen" in str(n.target)]
     assert len(ops) == 1 and "causal" in str(ops[0].args[3])
     ops = [n for n in graphs[2].graph.nodes if n.op == "call_function" and "attngen" in str(n.target)]
