@@ -283,7 +283,7 @@ def _needs_grad(torch, q, k, v, inputs) -> bool:
     if q.requires_grad or k.requires_grad or v.requires_grad:
         return True
     # A plain loop: torch 2.11's dynamo could not trace bool() of the inputs dict (a graph break under
-    # torch.compile of a call with a BlockMask, whose state grid is an input).
+    # torch.compile of every call with runtime inputs: document ids, a BlockMask's state grid...).
     for t in _split_inputs(inputs)[1]:
         if getattr(t, "requires_grad", False):
             return True
