@@ -1023,6 +1023,7 @@ __device__ __forceinline__ Blocks kv_blocks(const Params& p, const Tile& tile) {
 #endif
     b.full_lo = mb.full_begin;
     b.full_hi = min(mb.full_end, seq_k(p, tile));  // a ragged last block is always masked
+    if constexpr (mask::LISTED) b.list = nullptr;  // the span, not the list (listed() reads it only there)
     return b;
 }
 
