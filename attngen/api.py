@@ -79,7 +79,8 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
         inputs: the runtime inputs the mask and score modifier read, by name: int32 tensors for a
             mask (e.g. mask="doc[b, q_idx] == doc[b, kv_idx] and causal" with inputs={"doc": ids},
             ids of shape (batch, seq) for packed documents), float32 for a score modifier (e.g.
-            score_mod="alibi" with inputs={"slope": slopes of shape (heads_q,)}). Every index the
+            score_mod="alibi" with inputs={"slope": slopes of shape (heads_q,)}), int32 for one a
+            score modifier reads as int(name) (a mask's offsets, shared: docs/masks.md). Every index the
             expression computes over the call must lie inside the tensor: checked before launch.
         return_lse: also return the log-sum-exp of each row's scaled (and modified) scores.
         dropout_p: dropout of the attention probabilities (training), fused into the kernels: 0

@@ -72,14 +72,15 @@ def for_problem(problem, list_block_n: int | None = None) -> MaskTable | None:
     with a warp's (measured: `kv_idx <= q_idx` at 16k ran 7% behind the built-in causal with the scan,
     and 0.4-7.5% behind with the table, before such bands got closed forms: attngen/maskc/bands.py)."""
     from attngen.families.base import problem_inputs
-    from attngen.maskc.ir import Var, walk
+    from attngen.maskc.ir import Input, Var, walk
     from attngen.masks import get_mask
 
     lowering = get_mask(problem.mask)
     if lowering.closed is not None:
         return None
     declared = problem_inputs(problem)
-    summarized = tuple(d for d in declared if d.kind == "mask" and d.arity >= 1)
+    mask_reads = {node.name for node in walk(lowering.program.ir) if isinstance(node, Input)}
+    summarized = tuple(d for d in declared if d.kind == "mask" and d.arity >= 1 and d.name in mask_reads)
     read = {node.name for node in walk(lowering.program.ir) if isinstance(node, Var)}
     lists = list_block_n if _lists_pay(lowering.program.ir, declared) else None
     return MaskTable(summarized, "b" in read, "h" in read, lists)

@@ -2,7 +2,8 @@
 
 An expression reads `name[i, j]` (or `name`, a scalar): a tensor passed with the call as
 `inputs={"name": tensor}`. A mask's inputs are int32 tensors (document ids, prefix lengths), a
-score modifier's float32 ones (ALiBi slopes, a bias). For each, the kernel's argument struct gets a
+score modifier's float32 ones (ALiBi slopes, a bias) unless it reads one as `int(name)`, an int32
+tensor (a context-parallel shard's `q_offset`, shared with the mask). For each, the kernel's argument struct gets a
 pointer `in_<name>` and one element stride `in_<name>_s<d>` per index (attngen/codegen/abi.py),
 and the emitted expressions read `p.in_<name>[i * s0 + j * s1]`.
 
@@ -42,21 +43,28 @@ class Declared:
 
 def declared(programs) -> tuple[Declared, ...]:
     """The inputs a list of (kind, program) reads, sorted by name; ValueError when one name is read
-    as both kinds (an int32 and a float32 tensor cannot be one input)."""
-    found: dict[str, Declared] = {}
+    as both kinds (an int32 and a float32 tensor cannot be one input). A score modifier's int(name)
+    read is of the mask's kind, an int32 tensor."""
+    from attngen.maskc.ir import Input, Type, walk
+
+    found: dict[str, tuple[Declared, str]] = {}
     for kind, program in programs:
+        as_int = {n.name for n in walk(program.ir) if isinstance(n, Input) and n.type is Type.INT}
+        reader = "mask" if kind == "mask" else "score modifier or sink"
         for name, arity in program.inputs:
+            mine = Declared(name, arity, "mask" if name in as_int else "score_mod")
             other = found.get(name)
-            if other is not None and (other.kind != kind or other.arity != arity):
-                raise ValueError(f"input {name!r} is read as {_what(other)} and as {_what(Declared(name, arity, kind))}; "
-                                 "allowed: one name per input, e.g. rename one of them")
-            found[name] = Declared(name, arity, kind)
-    return tuple(found[n] for n in sorted(found))
+            if other is not None and other[0] != mine:
+                hint = f", or read the mask's int32 {name} in the score modifier as int({name})" \
+                    if {other[0].kind, mine.kind} == {"mask", "score_mod"} else ""
+                raise ValueError(f"input {name!r} is read as {_what(*other)} and as {_what(mine, reader)}; "
+                                 f"allowed: one name per input, e.g. rename one of them{hint}")
+            found[name] = mine, reader
+    return tuple(found[n][0] for n in sorted(found))
 
 
-def _what(d: Declared) -> str:
-    return f"{'an int32' if d.kind == 'mask' else 'a float32'} tensor with {d.arity} indices " \
-           f"(by the {'mask' if d.kind == 'mask' else 'score modifier or sink'})"
+def _what(d: Declared, reader: str) -> str:
+    return f"{'an int32' if d.kind == 'mask' else 'a float32'} tensor with {d.arity} indices (by the {reader})"
 
 
 def as_mapping(inputs) -> dict:
@@ -114,7 +122,7 @@ def check(programs, inputs: dict, given: dict, batch: int, heads_q: int, seq_q: 
     for d in inputs:
         t = given.get(d.name)
         if t is None:
-            raise ValueError(f"the {'mask' if d.kind == 'mask' else 'score modifier'} reads input {d.name!r}: pass "
+            raise ValueError(f"the {'mask or score modifier' if d.kind == 'mask' else 'score modifier'} reads input {d.name!r}: pass "
                              f"inputs={{{d.name!r}: a {d.dtype} tensor with {d.arity} dims}}")
         if t.dtype != d.dtype:
             raise ValueError(f"input {d.name!r} has dtype {t.dtype}; allowed: {d.dtype}")

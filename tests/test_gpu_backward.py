@@ -220,6 +220,19 @@ def test_a_learned_per_head_slope_gets_its_gradient(head_dim, mask):
     assert torch.equal(again[3]["slope"], grads[3]["slope"])  # a fixed-order reduction: deterministic
 
 
+def test_a_shards_learned_slopes_over_shared_int_offsets_get_their_gradients():
+    """ALiBi on a context-parallel shard: the score modifier reads the mask's int32 offsets as int(q_offset) (no
+    gradient: int32) and learned slopes at [h] (a gradient), against float64 autograd."""
+    import torch
+
+    q, k, v, dout = _tensors(1, 200, 500, 8, 2, 128, "bf16", seed=23)
+    inputs = {"slope": torch.linspace(0.01, 0.2, 8, device="cuda"),
+              "q_offset": torch.tensor(300, dtype=torch.int32, device="cuda"),
+              "kv_offset": torch.tensor(0, dtype=torch.int32, device="cuda")}
+    check(q, k, v, dout, mask="kv_idx + kv_offset <= q_idx + q_offset", inputs=inputs, grad_inputs=("slope",),
+          score_mod="score - slope[h] * abs(q_idx + int(q_offset) - kv_idx - int(kv_offset))")
+
+
 def test_a_model_with_learned_per_head_slopes_trains():
     """Fit per-head slopes to a teacher's: 60 Adam steps on the output's squared error, gradients from
     the kernels only; the loss falls a hundredfold and every slope moves to the teacher's."""

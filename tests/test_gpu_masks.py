@@ -304,6 +304,21 @@ def test_context_parallel_offsets_match_the_reference(gpu_family, mask):
             assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
 
 
+def test_alibi_over_a_shards_global_positions_shares_the_masks_offsets(gpu_family):
+    """Context parallelism with ALiBi: the score modifier reads the mask's int32 offsets as int(q_offset), one
+    tensor for both; shards before, across and after the keys against the reference, one kernel for all."""
+    import torch
+
+    spec = AttentionSpec(head_dim=128, mask="kv_idx + kv_offset <= q_idx + q_offset", gqa_ratio=2, family=gpu_family,
+                         score_mod="score - slope[h] * abs(q_idx + int(q_offset) - kv_idx - int(kv_offset))")
+    q, k, v = _inputs(2, 200, 700, 2, 2, 128, seed=31)
+    slope = torch.tensor([0.5, 0.125, 0.03125, 0.0078125], device="cuda")
+    for q_offset, kv_offset in ((500, 0), (0, 0), (1000, 100), (-300, 0), (350, -50)):
+        inputs = {"q_offset": torch.tensor(q_offset, dtype=torch.int32, device="cuda"),
+                  "kv_offset": torch.tensor(kv_offset, dtype=torch.int32, device="cuda"), "slope": slope}
+        run_checked(spec, q, k, v, inputs)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefix_lengths_per_batch_row_match_the_reference(gpu_family, head_dim):
     """prefix_lm(plen[b]): each batch row's prefix length read by the closed-form bounds at its row (a band with an

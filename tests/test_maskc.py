@@ -228,6 +228,11 @@ ERRORS = [
     ("score_mod", "bias[score] + score", "score", "an input index must be an integer expression"),
     ("score_mod", "score.real", "score.real", "attribute access"),
     ("score_mod", "exp(score, 2)", "exp(score, 2)", "exp() takes 1 argument; got 2"),
+    ("score_mod", "score + int(q_idx)", "int(q_idx)", "q_idx is not a runtime input (int() reads a runtime input"),
+    ("score_mod", "score + int(3)", "int(3)", "write int(name) or int(name[i, ...])"),
+    ("score_mod", "score + int(off, 2)", "int(off, 2)", "got 2 arguments"),
+    ("score_mod", "score + int(off) + off", "off", "read both as int(off) and as off"),
+    ("score_mod", "score * bias[h] + int(bias[h])", "bias[h]", "read both as int(bias) and as bias"),
 ]
 
 
@@ -389,6 +394,8 @@ def test_canonical_mask_text(text, canonical):
     ("tanh(1.0) + score", f"{math.tanh(1.0)!r} + score"),
     ("log(0.0 - 1.0) + score", "log(-1.0) + score"),  # not folded: NaN stays a run-time value
     ("min(score, 1, 2.5)", "min(score, 1.0, 2.5)"),
+    ("score - s[h] * abs(q_idx + int( q_off ) - kv_idx)", "score - s[h] * abs(q_idx + int(q_off) - kv_idx)"),
+    ("score + int(w[h, q_idx])", "score + int(w[h, q_idx])"),
 ])
 def test_canonical_score_mod_text(text, canonical):
     assert compile_score_mod(text).canonical == canonical
@@ -491,6 +498,21 @@ def test_dense_inputs():
     out = alibi.dense(torch.zeros(2, 3), torch.arange(2)[:, None], torch.arange(3)[None, :], 2, 3, h=1,
                       inputs={"slope": [0.5, 0.25]})
     assert out.tolist() == [[-0.25, 0.0, -0.25], [-0.5, -0.25, 0.0]]
+
+
+def test_int_reads_an_int32_input_in_a_score_modifier():
+    """int(name) in a score modifier reads an int input (a mask's offsets, shared under one name); the dense
+    evaluation does integer arithmetic on it, then converts, as the kernels do. In a mask it changes nothing."""
+    from attngen.maskc.ir import Input, Type, walk
+
+    shifted = compile_score_mod("score - slope[h] * abs(q_idx + int(q_offset) - kv_idx)")
+    assert shifted.inputs == (("q_offset", 0), ("slope", 1))
+    types = {n.name: n.type for n in walk(shifted.ir) if isinstance(n, Input)}
+    assert types == {"q_offset": Type.INT, "slope": Type.FLOAT}
+    out = shifted.dense(torch.zeros(2, 3), torch.arange(2)[:, None], torch.arange(3)[None, :], 2, 3, h=0,
+                        inputs={"slope": [0.5], "q_offset": torch.tensor(2, dtype=torch.int32)})
+    assert out.tolist() == [[-1.0, -0.5, 0.0], [-1.5, -1.0, -0.5]]
+    assert compile_mask("kv_idx <= q_idx + int(q_offset)").canonical == "kv_idx <= q_idx + q_offset"
 
 
 def test_folded_away_inputs_are_not_inputs():

@@ -147,6 +147,42 @@ def test_fuzz_cases_draw_runtime_inputs_sized_to_the_case_and_check_them():
     assert result.ok, result.describe()
 
 
+def test_a_score_modifier_shares_the_masks_int_offsets():
+    """ALiBi over a context-parallel shard's global positions: the score modifier reads the mask's int32 offsets
+    as int(q_offset), one input each (without int() the names clash, and the error says to write it); the shard's
+    answer is the whole sequence's last rows; both families render and compile it without spills."""
+    from attngen.build import nvcc
+    from attngen.families.bwd_shared import modifier_learnable_inputs
+
+    mask = "kv_idx + kv_offset <= q_idx + q_offset"
+    alibi = "score - slope[h] * abs(q_idx + int(q_offset) - kv_idx - int(kv_offset))"
+    wanted = declared([("mask", p) for p in programs(mask)] + [("score_mod", score_mods.get_score_mod(alibi).program)])
+    assert [(d.name, d.arity, d.dtype) for d in wanted] == [("kv_offset", 0, "int32"), ("q_offset", 0, "int32"),
+                                                            ("slope", 1, "float32")]
+    with pytest.raises(ValueError, match=r"read the mask's int32 kv_offset in the score modifier as int\(kv_offset\)"):
+        declared([("mask", p) for p in programs(mask)]
+                 + [("score_mod", score_mods.get_score_mod(alibi.replace("int(kv_offset)", "kv_offset")).program)])
+    assert modifier_learnable_inputs(alibi, None) == ("slope",)  # an int32 read has no gradient
+    assert modifier_learnable_inputs("score + int(w[h]) * 0.5", None) == ()
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 64, 2, 64, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 256, 2, 64, generator=gen, dtype=torch.float64) for _ in range(2))
+    slope = torch.tensor([0.25, 0.0625], dtype=torch.float64)
+    shard = {"q_offset": torch.tensor(192, dtype=torch.int32), "kv_offset": torch.tensor(0, dtype=torch.int32),
+             "slope": slope.float()}
+    spec = AttentionSpec(head_dim=64, mask=mask, score_mod=alibi)
+    got = reference.attention_for_spec(q, k, v, spec, inputs=shard)
+    whole = AttentionSpec(head_dim=64, mask="causal", score_mod="alibi")
+    q_whole = torch.cat([torch.zeros(1, 192, 2, 64, dtype=torch.float64), q], dim=1)
+    expected = reference.attention_for_spec(q_whole, k, v, whole, inputs={"slope": slope.float()})[:, 192:]
+    assert torch.allclose(got, expected, atol=1e-6)
+    for family, arch in (("fwd_sm80", "sm_80"), ("fwd_sm90", "sm_90a")):
+        plan = families.plan_spec(spec.replace(family=family), targets.target(arch))
+        assert "const int* in_q_offset" in families.get_family(family).render(plan)
+        if nvcc.find_nvcc() is not None:
+            assert nvcc.check_plan(plan).spill_bytes == 0
+
+
 def test_position_offsets_are_scalar_inputs():
     """Context parallelism's shard of queries against global key positions: offsets as 0-d inputs,
     read by the mask's closed-form bounds (a band: attngen/maskc/bands.py), checked for rank, compiled

@@ -48,15 +48,15 @@ def learnable_inputs(problem) -> tuple[str, ...]:
 
 def modifier_learnable_inputs(score_mod: str | None, sink: str | None) -> tuple[str, ...]:
     """learnable_inputs of a score modifier and a sink given as their texts."""
-    from attngen.maskc.ir import Input, Var, walk
+    from attngen.maskc.ir import Input, Type, Var, walk
     from attngen.score_mods import get_score_mod
 
     if score_mod is None:
         return ()
     reads: dict[str, bool] = {}
     for n in walk(get_score_mod(score_mod).program.ir):
-        if isinstance(n, Input):
-            at_h = len(n.index) == 1 and isinstance(n.index[0], Var) and n.index[0].name == "h"
+        if isinstance(n, Input):  # an int32 read (int(name)) has no gradient
+            at_h = n.type is Type.FLOAT and len(n.index) == 1 and isinstance(n.index[0], Var) and n.index[0].name == "h"
             reads[n.name] = reads.get(n.name, True) and at_h
     sink_reads = set() if sink is None else {n for n, _ in get_score_mod(sink).program.inputs}
     return tuple(sorted(name for name, at_h in reads.items() if at_h and name not in sink_reads))

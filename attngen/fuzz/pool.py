@@ -77,6 +77,9 @@ PROBLEMS = (
     Problem(128, "bf16", gqa_ratio=2, mask="kv_idx + kv_offset <= q_idx + q_offset"),
     Problem(64, "fp16", mask="kv_idx + kv_offset <= q_idx + q_offset and q_idx + q_offset - kv_idx - kv_offset < 300",
             score_mod="softcap(20.0)"),
+    # ...and ALiBi over the shard's global positions, the mask's int32 offsets read by the modifier as int().
+    Problem(128, "bf16", gqa_ratio=2, mask="kv_idx + kv_offset <= q_idx + q_offset",
+            score_mod="score - slope[h] * abs(q_idx + int(q_offset) - kv_idx - int(kv_offset))"),
     # Block sparsity: FlexAttention BlockMasks as attention(block_mask=) lowers them, blocks of one
     # tile (partial blocks apply the element mask alone) and of sizes no tile divides.
     Problem(128, "bf16", gqa_ratio=2, mask=block_sparse.lowered("causal", 128, 128, True, True)),

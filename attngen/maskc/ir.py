@@ -58,6 +58,9 @@ class Input:
     name: str
     index: tuple  # of int nodes; () for a scalar input
     type: Type
+    # Read as int(name) in a score modifier: an int32 tensor (a mask's, e.g. a shard's q_offset), where a
+    # score modifier's inputs are float32 otherwise. Printed back as int(...) so its text re-parses alike.
+    as_int: bool = False
 
 
 @dataclass(frozen=True)
@@ -315,9 +318,8 @@ def _printed(node: Node) -> tuple[str, int]:
     if isinstance(node, Var):
         return node.name, _PREC_ATOM
     if isinstance(node, Input):
-        if not node.index:
-            return node.name, _PREC_ATOM
-        return f"{node.name}[{', '.join(to_text(i) for i in node.index)}]", _PREC_ATOM
+        text = node.name if not node.index else f"{node.name}[{', '.join(to_text(i) for i in node.index)}]"
+        return (f"int({text})" if node.as_int else text), _PREC_ATOM
     op, args = node.op, node.args
     if op == "to_float":  # implicit in the language: re-parsing inserts it again
         return _printed(args[0])

@@ -68,10 +68,11 @@ _REFUSED_NODES = {
 }
 
 ALLOWED = {
-    "mask": ("variables b, h, q_idx, kv_idx, q_len, kv_len; inputs name[index, ...] or name; int literals, "
+    "mask": ("variables b, h, q_idx, kv_idx, q_len, kv_len; inputs name[index, ...] or name (int32); int literals, "
              "True, False; + - * // % (constant positive divisor), unary -; < <= > >= == != (chained); and or not, "
              "& | on bools; abs min max where; built-ins " + ", ".join(b.signature for b in MASK_BUILTINS.values())),
-    "score_mod": ("variables score, b, h, q_idx, kv_idx, q_len, kv_len; inputs name[index, ...] or name; int and "
+    "score_mod": ("variables score, b, h, q_idx, kv_idx, q_len, kv_len; inputs name[index, ...] or name (float32), "
+                  "int(name[index, ...]) or int(name) (int32, e.g. a mask's offset); int and "
                   "float literals, True, False; + - * / // % (constant positive divisor), unary -; comparisons; "
                   "and or not, & | on bools; abs min max where tanh exp log sqrt; built-ins "
                   + ", ".join(b.signature for b in (*SCORE_MOD_BUILTINS.values(), *MASK_BUILTINS.values()))),
@@ -129,7 +130,7 @@ class _Parser:
         self.text, self.kind = text, kind
         self.program_kind = program_kind or kind  # inputs are typed by the program, not the template
         self.bindings = bindings or {}
-        self.inputs = {} if inputs is None else inputs  # name -> arity, shared with built-in templates
+        self.inputs = {} if inputs is None else inputs  # name -> (arity, as int(name)), shared with templates
         self.builtin_calls = {}  # id(ast node) -> (name, parameter values), for the slug
         # ast.parse refuses leading blanks ("unexpected indent"): parse the stripped text, and shift
         # the positions it reports back to the text as given.
@@ -314,6 +315,8 @@ class _Parser:
             if isinstance(arg, ast.Starred):
                 raise self.refuse(arg, "starred argument")
         name = func.id
+        if name == "int":
+            return self.int_read(node, depth)
         if name in visible_builtins(self.kind):
             return self.builtin(node, name, node.args, depth)
         if name in SCORE_MOD_BUILTINS:
@@ -330,12 +333,32 @@ class _Parser:
         args = [self.expr(a, depth) for a in node.args]
         return self.build(node, name, *args)
 
-    def subscript(self, node: ast.Subscript, depth: int) -> Node:
+    def int_read(self, node: ast.Call, depth: int) -> Node:
+        """int(name) or int(name[i, ...]): an input read as an int32 tensor. What lets a score modifier
+        read a mask's int input (a context-parallel shard's q_offset) under the same name; in a mask,
+        where inputs are int32 anyway, the same read as without it."""
+        what = "int() reads a runtime input as an int32 tensor: write int(name) or int(name[i, ...])"
+        if len(node.args) != 1:
+            raise self.error(node, f"{what}; got {len(node.args)} arguments")
+        arg = node.args[0]
+        if isinstance(arg, ast.Subscript):
+            return self.subscript(arg, depth, as_int=True)
+        if isinstance(arg, ast.Name) and not self._known_name(arg.id):
+            return self.input(arg, arg.id, [], as_int=True)
+        if isinstance(arg, ast.Name):
+            raise self.error(node, f"{arg.id} is not a runtime input ({what})")
+        raise self.error(node, what)
+
+    def _known_name(self, name: str) -> bool:
+        """Whether a name is a variable, binding, built-in or function rather than an input."""
+        return name in self.bindings or name in ir.INDEX_VARS or name == ir.SCORE or name in visible_builtins(self.kind) \
+            or name in SCORE_MOD_BUILTINS or name in INT_FUNCTIONS or name in FLOAT_FUNCTIONS
+
+    def subscript(self, node: ast.Subscript, depth: int, as_int: bool = False) -> Node:
         if not isinstance(node.value, ast.Name):
             raise self.refuse(node, "subscript of an expression (an input is read as name[i, j])")
         name = node.value.id
-        if name in self.bindings or name in ir.INDEX_VARS or name == ir.SCORE or name in visible_builtins(self.kind) \
-                or name in SCORE_MOD_BUILTINS or name in INT_FUNCTIONS or name in FLOAT_FUNCTIONS:
+        if self._known_name(name):
             raise self.refuse(node, f"subscript of {name}, which is not an input")
         index_asts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
         if len(index_asts) > MAX_INPUT_ARITY:
@@ -346,17 +369,21 @@ class _Parser:
             if value.type is not Type.INT:
                 raise self.error(index_ast, f"an input index must be an integer expression; got {value.type.value}")
             index.append(value)
-        return self.input(node, name, index)
+        return self.input(node, name, index, as_int)
 
     # -- names ----------------------------------------------------------------------------------
 
-    def input(self, node: ast.AST, name: str, index: list) -> Node:
+    def input(self, node: ast.AST, name: str, index: list, as_int: bool = False) -> Node:
         if not INPUT_NAME.fullmatch(name) or name in RESERVED_NAMES or name.startswith(RESERVED_PREFIXES):
             raise self.refuse(node, f"input name {name} (reserved, or not an ASCII name of at most 32 characters)")
-        arity = self.inputs.setdefault(name, len(index))
+        as_int = as_int and self.program_kind != "mask"  # a mask's inputs are int32 without it
+        arity, was_int = self.inputs.setdefault(name, (len(index), as_int))
         if arity != len(index):
             raise self.error(node, f"input {name} is used with {arity} and with {len(index)} indices")
-        return Input(name, tuple(index), Type.INT if self.program_kind == "mask" else Type.FLOAT)
+        if was_int != as_int:
+            raise self.error(node, f"input {name} is read both as int({name}) and as {name}: one input has one "
+                                   f"dtype; write int({name}) at every read of an int32 {name}")
+        return Input(name, tuple(index), Type.INT if self.program_kind == "mask" or as_int else Type.FLOAT, as_int)
 
     def builtin(self, node: ast.AST, name: str, arg_asts: list, depth: int) -> Node:
         builtin = visible_builtins(self.kind)[name]
