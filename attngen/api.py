@@ -143,7 +143,7 @@ def attention(q, k, v, spec: AttentionSpec | None = None, *, mask: str | None = 
         if spec is not None:  # the lowered mask would have to replace the spec's (not done yet)
             raise ValueError("block_mask with a spec is not supported; allowed: spec=None, with the spec's mask (the "
                              "element mask), score_mod and sink passed as arguments")
-        mask, inputs = block_sparse.lowered_call(block_mask, mask, inputs, q, k)
+        mask, inputs = block_sparse.lowered_call(block_mask, mask, inputs, q, k, score_mod, sink)
     if type(q).__module__.startswith("torch"):
         import torch
 

@@ -217,14 +217,25 @@ def _cached_grid(block_mask, seq_q: int, seq_k: int, q_block: int, kv_block: int
     return grid
 
 
-def lowered_call(block_mask, mask: str | None, inputs: dict | None, q, k) -> tuple[str, dict]:
-    """The (mask text, inputs) attention() runs for a call with a BlockMask."""
+def lowered_call(block_mask, mask: str | None, inputs: dict | None, q, k, score_mod: str | None = None,
+                 sink: str | None = None) -> tuple[str, dict]:
+    """The (mask text, inputs) attention() runs for a call with a BlockMask (and the call's score modifier
+    and sink, which may not read the state grid's name either: it is bound to the BlockMask's grid)."""
     if mask is not None and not isinstance(mask, str):
         raise ValueError(f"mask={mask!r} is invalid; allowed: a mask expression (docs/masks.md)")
     q_block, kv_block, by_batch, by_head = check(block_mask, mask, q, k)
     clash = sorted(set(inputs or {}) & RESERVED)
     if clash:
         raise ValueError(f"inputs has {clash[0]!r}; block_mask reserves the name {STATE!r}")
+    from attngen import maskc
+
+    for name, text in (("score_mod", score_mod), ("sink", sink)):
+        try:
+            reads = {n for n, _ in maskc.compile_score_mod(text).inputs} if isinstance(text, str) else set()
+        except maskc.ExprError:
+            continue  # refused later, with the argument's own message
+        if STATE in reads:
+            raise ValueError(f"{name}={text!r} reads the input {STATE!r}; block_mask reserves the name {STATE!r}")
     text = lowered(mask or "none", q_block, kv_block, by_batch, by_head)
     grid = _cached_grid(block_mask, q.shape[1], k.shape[1], q_block, kv_block)
     return text, {**(inputs or {}), STATE: grid}

@@ -55,8 +55,11 @@ def declared(programs) -> tuple[Declared, ...]:
             mine = Declared(name, arity, "mask" if name in as_int else "score_mod")
             other = found.get(name)
             if other is not None and other[0] != mine:
-                hint = f", or read the mask's int32 {name} in the score modifier as int({name})" \
-                    if {other[0].kind, mine.kind} == {"mask", "score_mod"} else ""
+                hint = ""
+                if other[0].kind != mine.kind:  # int32 against float32: which reads can change says who read it
+                    hint = f", or read the mask's int32 {name} in the score modifier or sink as int({name})" \
+                        if "mask" in (reader, other[1]) else \
+                        f", or read {name} as int({name}) in both the score modifier and the sink"
                 raise ValueError(f"input {name!r} is read as {_what(*other)} and as {_what(mine, reader)}; "
                                  f"allowed: one name per input, e.g. rename one of them{hint}")
             found[name] = mine, reader

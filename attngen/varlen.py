@@ -107,22 +107,24 @@ def native_reason(problem) -> str | None:
     return None
 
 
-def _rewritten(node, kind: str):
+def _rewritten(node, kind: str, int_positions: bool = False):
     """node with each index variable replaced by its per-sequence array read at the packed position;
-    indices of runtime inputs are left as they are (packed positions)."""
+    indices of runtime inputs are left as they are (packed positions). A modifier reads positions as
+    floats, unless `int_positions` (it reads int32 inputs, int(name), whose integer arithmetic with a
+    position must stay exact past float32's 2**24): then as the mask does, through int(...) reads."""
     if isinstance(node, Var):
         names = _POSITION_INPUTS.get(node.name)
         if names is None:
             return node
-        if kind != "mask":
+        if kind != "mask" and not int_positions:
             return Input(names[1], (Var(names[2], Type.INT),), Type.FLOAT)
-        read = Input(names[0], (Var("q_idx", Type.INT),), Type.INT)
+        read = Input(names[0], (Var("q_idx", Type.INT),), Type.INT, as_int=kind != "mask")
         return make("sub", node, read) if node.name in _STARTS else read
     if isinstance(node, Op):
         if node.op == "to_float":  # an int position the modifier converted: now read as a float already
-            arg = _rewritten(node.args[0], kind)
+            arg = _rewritten(node.args[0], kind, int_positions)
             return arg if arg.type is Type.FLOAT else make("to_float", arg)
-        return make(node.op, *(_rewritten(a, kind) for a in node.args))
+        return make(node.op, *(_rewritten(a, kind, int_positions) for a in node.args))
     return node
 
 
@@ -150,7 +152,8 @@ def lowered(mask: str, score_mod: str | None, sink: str | None) -> tuple[str, st
                              "so b would be 0 throughout: allowed: h, q_idx, kv_idx, q_len, kv_len (per sequence) "
                              "and runtime inputs indexed by them")
         try:
-            out[name] = to_text(_rewritten(program.ir, kind))
+            int_positions = any(isinstance(n, Input) and n.as_int for n in walk(program.ir))
+            out[name] = to_text(_rewritten(program.ir, kind, int_positions))
         except ValueError as exc:  # an integer operation (//, %) on a position a modifier reads as a float
             raise ValueError(f"{name}={program.canonical!r}: {exc}; a score modifier or sink of attention_varlen "
                              "reads positions as floats: allowed: + - * / abs min max where and comparisons on "

@@ -234,6 +234,10 @@ def test_the_state_input_name_is_reserved_in_inputs():
     q = torch.zeros(1, 256, 1, 64)
     with pytest.raises(ValueError, match="inputs has 'block_mask_state'"):
         block_sparse.lowered_call(_bm(), "none", {"block_mask_state": torch.zeros(1)}, q, q)
+    # ...and in the score modifier and sink, which could read the int32 grid as int(block_mask_state[...]).
+    for score_mod, sink in (("score + int(block_mask_state[0, 0, 0, 0])", None), (None, "int(block_mask_state) * 1.0")):
+        with pytest.raises(ValueError, match="reads the input 'block_mask_state'; block_mask reserves"):
+            block_sparse.lowered_call(_bm(), "none", None, q, q, score_mod, sink)
 
 
 def test_blockmask_lists_on_another_device_are_named():

@@ -77,6 +77,36 @@ def test_forward_and_gradients_match_the_reference(case):
     assert bad is None, bad
 
 
+def test_alibi_over_global_positions_reads_int_offsets_exactly():
+    """ALiBi over a context-parallel shard's global positions (offsets past float32's 2**24, read as int(name)),
+    per sequence: the forward (per-sequence tiles) and the gradients (the document mask, whose modifier then reads
+    the positions as ints) against each sequence computed on its own."""
+    import torch
+
+    lengths = [300, 1, 200]
+    q, k, v, cu_q, cu_k, inputs = make(lengths, lengths, 8, 2, 128, "bf16", seed=3)
+    off = torch.tensor(50_000_001, dtype=torch.int32, device="cuda")
+    theirs = {"slope": inputs["slope"], "q_offset": off, "kv_offset": off}
+    score_mod = "score - slope[h] * abs(q_idx + int(q_offset) - kv_idx - int(kv_offset))"
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = attngen.attention_varlen(*leaves, cu_q, cu_k, 300, 300, mask="causal", score_mod=score_mod, inputs=theirs)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    torch.cuda.synchronize()
+    want, _ = reference.attention_varlen(q, k, v, cu_q, cu_k, mask="causal", score_mod=score_mod, inputs=theirs)
+    p = [t[None] for t in (q, k, v)]
+    scale = 128**-0.5
+    assert tolerance.check_output(out[None].detach(), want[None], *p, "bf16", scale) is None
+    texts = varlen.lowered("causal", score_mod, None)
+    kw = dict(mask=texts[0], score_mod=texts[1], inputs={**theirs, **varlen.varlen_inputs(*texts, q, k, cu_q, cu_k)})
+    ref = reference.attention_grads(*p, dout[None], **kw)
+    _, lse = attngen.attention_varlen(q, k, v, cu_q, cu_k, 300, 300, mask="causal", score_mod=score_mod, inputs=theirs,
+                                      return_lse=True)
+    bad = tolerance.check_grads(tuple(g[None] for g in grads), ref, *p, out[None].detach(), dout[None], "bf16", scale,
+                                lse=lse[None])
+    assert bad is None, bad
+
+
 def test_sixteen_documents_in_one_long_sequence():
     """The issue's packed-documents shape scaled down: 16 random lengths in 8192 tokens, causal."""
     import torch

@@ -233,6 +233,7 @@ ERRORS = [
     ("score_mod", "score + int(off, 2)", "int(off, 2)", "got 2 arguments"),
     ("score_mod", "score + int(off) + off", "off", "read both as int(off) and as off"),
     ("score_mod", "score * bias[h] + int(bias[h])", "bias[h]", "read both as int(bias) and as bias"),
+    ("score_mod", "int(slope[h]) + alibi", "alibi", "inside alibi (score - slope[h] *"),  # the call, not the template
 ]
 
 

@@ -159,9 +159,11 @@ def test_a_score_modifier_shares_the_masks_int_offsets():
     wanted = declared([("mask", p) for p in programs(mask)] + [("score_mod", score_mods.get_score_mod(alibi).program)])
     assert [(d.name, d.arity, d.dtype) for d in wanted] == [("kv_offset", 0, "int32"), ("q_offset", 0, "int32"),
                                                             ("slope", 1, "float32")]
-    with pytest.raises(ValueError, match=r"read the mask's int32 kv_offset in the score modifier as int\(kv_offset\)"):
+    with pytest.raises(ValueError, match=r"read the mask's int32 kv_offset in the score modifier or sink as int\(kv_offset\)"):
         declared([("mask", p) for p in programs(mask)]
                  + [("score_mod", score_mods.get_score_mod(alibi.replace("int(kv_offset)", "kv_offset")).program)])
+    with pytest.raises(ValueError, match=r"read w as int\(w\) in both the score modifier and the sink"):
+        AttentionSpec(head_dim=64, score_mod="score + int(w[h])", sink="w[h]")
     assert modifier_learnable_inputs(alibi, None) == ("slope",)  # an int32 read has no gradient
     assert modifier_learnable_inputs("score + int(w[h]) * 0.5", None) == ()
     gen = torch.Generator().manual_seed(4)

@@ -227,3 +227,23 @@ def test_a_pinned_tiling_family_must_be_one_that_tiles_per_sequence(monkeypatch)
     with pytest.raises(ValueError, match=r"PER_SEQUENCE_FAMILY='fwd_sm70' is invalid; allowed: None or one of "
                                          r"\['fwd_sm90', 'fwd_sm80'\]"):
         varlen._per_sequence_key(AttentionSpec(head_dim=64, mask="causal").key(), 0)
+
+
+def test_a_modifier_reading_int_inputs_reads_positions_as_ints():
+    """A score modifier with int(name) reads (ALiBi over a shard's global positions) takes the mask's int32
+    position arrays on the document-mask path, not float32 ones: its integer arithmetic stays exact past 2**24
+    (a float32 position there rounds, and the answer moved by up to 1.1 at offsets of 5e7)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(64, 2, 64, generator=gen, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 20, 64], dtype=torch.int32)
+    score_mod = "score - slope[h] * abs(q_idx + int(q_offset) - kv_idx - int(kv_offset))"
+    mask_text, lowered, _ = varlen.lowered("causal", score_mod, None)
+    assert "varlen_qposf" not in lowered and "int(varlen_qstart[q_idx])" in lowered
+    assert "varlen_qposf" in varlen.lowered("causal", "alibi", None)[1]  # without int reads: floats, as before
+    off = torch.tensor(50_000_001, dtype=torch.int32)
+    inputs = {"slope": torch.tensor([0.5, 0.25]), "q_offset": off, "kv_offset": off}
+    want, _ = reference.attention_varlen(q, k, v, cu, cu, mask="causal", score_mod=score_mod, inputs=inputs)
+    arrays = varlen.varlen_inputs(mask_text, lowered, None, q, k, cu, cu)
+    got = reference.attention(q[None].float(), k[None].float(), v[None].float(), mask=mask_text, score_mod=lowered,
+                              inputs={**inputs, **arrays}, compute_dtype=torch.float32)[0]
+    assert (got.double() - want).abs().max() < 1e-5

@@ -170,7 +170,7 @@ class _Parser:
     def input_hint(self, *nodes: Node) -> str:
         """For a type error whose operand is a bare name read as a runtime input: most likely a misspelt
         built-in or variable (`causl`, `CAUSAL`), so say what the name was taken for, and what is close."""
-        names = [n.name for n in nodes if isinstance(n, Input) and not n.index]
+        names = [n.name for n in nodes if isinstance(n, Input) and not n.index and not n.as_int]  # int(x) was meant
         if not names:
             return ""
         known = [*visible_builtins(self.kind), *ir.INDEX_VARS] + ([ir.SCORE] if self.kind == "score_mod" else [])
@@ -413,7 +413,10 @@ class _Parser:
             values.append(number)
         # The template is parsed like user text; its own built-in calls are not recorded here.
         template = _Parser(builtin.template, builtin.kind, self.program_kind, bindings, self.inputs)
-        _, node_ir = template.parse()
+        try:
+            _, node_ir = template.parse()
+        except ExprError as exc:  # its column would be the template's: name the call instead
+            raise self.error(node, f"inside {name} ({builtin.template}): {exc.problem}") from None
         if constant:  # a built-in with a runtime argument has no closed form: it is named by its expression
             self.builtin_calls[id(node)] = (name, tuple(values))
         return node_ir
