@@ -7,8 +7,17 @@
 # device's copy of the tree first (built offline on 2026-12-08, never run: no device was lent after it was
 # written). The base, the committed headers, is written here first and carried (run's carry: .ab/base.cuh):
 #   python bench/sm90_versions.py git:HEAD > .ab/base.cuh
+# A fourth part runs the GPU tests of the committed int(name) reads on the committed tree (no patch):
+#   bash bench/results/dev/forward-walk-run-2026-12-08.sh intreads
 set -u
-part=${1:?ab, tests1 or tests2}
+part=${1:?ab, tests1, tests2 or intreads}
+if [ "$part" = intreads ]; then
+  OUT=${OUT:-/tmp/attngen-out}; mkdir -p "$OUT"
+  PYTHONPATH=. timeout 400 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gpu_masks.py \
+      tests/test_gpu_backward.py tests/test_gpu_varlen.py -k "shares_the_masks_offsets or over_shared_int_offsets or \
+      reads_int_offsets_exactly or context_parallel" > $OUT/gpu-tests-int-reads.log 2>&1
+  echo rc=$?; tail -4 $OUT/gpu-tests-int-reads.log; exit 0
+fi
 patch -s --no-backup-if-mismatch -p1 < bench/results/dev/fwd-sm90-causal-diagonal-last-by-rule-untested-2026-12-08.patch || exit 1
 OUT=${OUT:-/tmp/attngen-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ATTNGEN_CACHE_DIR=/tmp/attngen-cache PYTHONPATH=.:bench
